@@ -1,0 +1,5 @@
+import sys
+
+from fleetcuda.cli import main
+
+sys.exit(main())

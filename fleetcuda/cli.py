@@ -1,0 +1,179 @@
+"""Command line: `fleetcuda apply` and `fleetcuda verify`.
+
+Exit codes: 0 success; 1 a target failed (or drifted, for verify); 2 bad input (inventory,
+recipe, arguments); 3 a target unreachable (and none failed); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from fleetcuda import __version__
+from fleetcuda.engine import Engine, exit_code, make_run_dir
+from fleetcuda.errors import InputError
+from fleetcuda.inventory import Inventory, Target, load_inventory
+from fleetcuda.planner import base_values, make_plan, pending_facts
+from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
+from fleetcuda.report import PlainReporter, Reporter, RichReporter, summary
+from fleetcuda.transport import LocalTransport, SshTransport, Transport, TransportPool
+
+DEFAULT_INVENTORY = "inventories/example.yaml"
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"fleetcuda: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fleetcuda", description="Provision and verify CUDA build toolchains in Proxmox LXC "
+                                              "containers over SSH.")
+    p.add_argument("--version", action="version", version=f"fleetcuda {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("recipe", help="recipe file, e.g. recipes/gdn-fastpath.yaml")
+        sp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY),
+                        help=f"inventory file (default {DEFAULT_INVENTORY})")
+        sp.add_argument("--limit", help="targets: host, host/vmid, group, container name or glob; "
+                                        "comma-separated; !pattern excludes")
+        sp.add_argument("--var", action="append", default=[], metavar="K=V", help="override a variable")
+        sp.add_argument("--forks", type=int, default=8, help="targets run at once (default 8)")
+        sp.add_argument("--plain", action="store_true", help="plain timestamped lines even on a terminal")
+        sp.add_argument("--show-output", action="store_true", help="stream remote output lines (plain mode)")
+
+    ap = sub.add_parser("apply", help="converge targets to a recipe")
+    common(ap)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="connect to nothing; print the exact commands")
+    mode.add_argument("--check", action="store_true", help="run only the read-only checks; say what would change")
+
+    vp = sub.add_parser("verify", help="run only checks and verifications (read-only); report drift")
+    common(vp)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    err = Console(stderr=True, highlight=False)
+    try:
+        if args.forks < 1:
+            raise InputError("--forks", None, "", "must be at least 1")
+        recipe = load_recipe(args.recipe)
+        inventory = load_inventory(args.inventory)
+        targets = inventory.select(args.limit)
+        overrides = parse_var_overrides(args.var)
+        if args.command == "apply" and args.dry_run:
+            return dry_run(recipe, inventory, targets, overrides)
+        # Plan every target now, so a recipe that cannot be rendered is bad input before anything runs.
+        for t in targets:
+            make_plan(recipe, t, base_values(recipe, t, overrides))
+    except InputError as exc:
+        err.print(f"fleetcuda: {exc}", markup=False)
+        return EXIT_INPUT
+    mode = "verify" if args.command == "verify" else ("check" if args.check else "apply")
+    return execute(recipe, inventory, targets, overrides, mode, args)
+
+
+def _home(target: Target) -> str | None:
+    # A local target's HOME is this user's; containers and SSH hosts get theirs from the planner.
+    if target.spec.kind == "local" and target.container is None:
+        return str(Path.home())
+    return None
+
+
+def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str]) -> int:
+    out = sys.stdout
+    out.write(f"# fleetcuda apply {recipe.path} --dry-run: {len(targets)} target(s) from {inventory.path}\n")
+    out.write("# Each command line below can be pasted into bash or zsh; apply sends exactly these.\n")
+    for t in targets:
+        values = base_values(recipe, t, overrides)
+        plan = make_plan(recipe, t, values, _home(t))
+        out.write(f"\n# target {t.id}{f' ({t.name})' if t.name else ''}\n")
+        for name in pending_facts(recipe, values):
+            out.write(f"# {name}=auto is read from the target at run time; commands below show it as 'auto'"
+                      f" (pass --var {name}=X, or use --check to see them resolved)\n")
+        total = len(plan.steps)
+        for step in plan.steps:
+            head = f"# step {step.index + 1}/{total} {step.name} ({step.kind})"
+            if step.skipped:
+                out.write(f"{head}: skipped ({step.skipped})\n")
+                continue
+            for phase, cmd, note in (("check", step.check, "exit 0 means already satisfied"),
+                                     ("apply", step.apply, "runs only if the check fails"),
+                                     ("verify", step.verify, "must pass after apply")):
+                if cmd is not None:
+                    out.write(f"{head}: {phase} ({note})\n{cmd.display}\n")
+    return EXIT_OK
+
+
+def _transport_factory(inventory: Inventory):
+    def factory(host: str) -> Transport:
+        spec = inventory.spec.hosts[host]
+        if spec.kind == "local":
+            return LocalTransport()
+        target = next(t for t in inventory.targets if t.host == host)
+        assert target.chain.ssh is not None
+        return SshTransport(target.chain.ssh)
+
+    return factory
+
+
+def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str], mode: str,
+            args: argparse.Namespace) -> int:
+    console = Console()
+    reporter: Reporter
+    if console.is_terminal and not args.plain:
+        reporter = RichReporter(console)
+    else:
+        reporter = PlainReporter(show_output=args.show_output)
+    run_dir = make_run_dir(mode, recipe.name)
+    pool = TransportPool(_transport_factory(inventory))
+    engine = Engine(recipe, targets, overrides, mode, pool, reporter, run_dir,  # type: ignore[arg-type]
+                    forks=args.forks, home=_home)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    reporter.start(mode, recipe.path, [t.id for t in targets])
+    try:
+        results = engine.run()
+    except KeyboardInterrupt:
+        reporter.stop()
+        console.print("[magenta]interrupted[/]: remote steps were stopped; what had run:")
+        for r in engine_results_snapshot(engine, targets):
+            console.print(f"  {r}", markup=False)
+        console.print(f"logs: {run_dir}", markup=False)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        reporter.stop()
+    summary(results, console)
+    console.print(f"logs: {run_dir}", markup=False, highlight=False)
+    return exit_code(results)
+
+
+def engine_results_snapshot(engine: Engine, targets: list[Target]) -> list[str]:
+    lines = []
+    for t in targets:
+        log = engine.run_dir / (t.id.replace("/", "_") + ".log")
+        done = []
+        if log.exists():
+            text = log.read_text().splitlines()
+            done = [ln[3:].strip() for ln in text if ln.startswith("## ") and " exit " not in ln]
+        lines.append(f"{t.id}: {done[-1] if done else 'nothing ran'}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

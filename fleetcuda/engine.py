@@ -1,0 +1,338 @@
+"""Engine: per target, check -> (satisfied: ok) or apply -> verify -> changed.
+
+A failing step stops that target only. Targets run in parallel up to `forks`; all targets of a
+host share its one transport. Every command and its output go to the target's log in the run
+directory, which is private (0700, files 0600).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Literal
+
+from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
+
+from fleetcuda.command import BuiltCommand
+from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
+from fleetcuda.inventory import Target
+from fleetcuda.planner import (
+    Plan,
+    PlannedStep,
+    base_values,
+    facts_command,
+    make_plan,
+    parse_facts,
+    pending_facts,
+)
+from fleetcuda.recipe import Recipe
+from fleetcuda.report import Reporter
+from fleetcuda.templating import TemplateError
+from fleetcuda.transport import RunResult, TransportPool
+
+Mode = Literal["apply", "check", "verify"]
+TAIL_LINES = 20
+# Exit codes of a check that mean "could not look", not "not satisfied": command not found by
+# pct/sudo/ssh, or killed.
+_UNREACHABLE_RC = {255}
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # ok | changed | skipped | would-change | drift | failed
+    duration: float = 0.0
+    detail: str = ""
+    tail: list[str] = field(default_factory=list)
+    would_run: str | None = None
+
+
+@dataclass
+class TargetResult:
+    target: str
+    status: str = "pending"  # ok | changed | would-change | drift | failed | unreachable | interrupted
+    steps: list[StepResult] = field(default_factory=list)
+    error: str | None = None
+    log: str | None = None
+    duration: float = 0.0
+
+    @property
+    def changed(self) -> int:
+        return sum(s.status == "changed" for s in self.steps)
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StepFailed(Exception):
+    def __init__(self, result: StepResult):
+        super().__init__(result.detail)
+        self.result = result
+
+
+def state_dir() -> Path:
+    if os.environ.get("FLEETCUDA_STATE_DIR"):
+        return Path(os.environ["FLEETCUDA_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "fleetcuda"
+
+
+def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
+    runs = (root or state_dir()) / "runs"
+    runs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(runs.parent, 0o700)
+    os.chmod(runs, 0o700)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = runs / f"{stamp}-{mode}-{recipe}-{os.getpid()}"
+    path.mkdir(mode=0o700)
+    return path
+
+
+def _private_file(path: Path) -> IO[str]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+
+
+class Engine:
+    def __init__(self, recipe: Recipe, targets: list[Target], overrides: dict[str, str], mode: Mode,
+                 pool: TransportPool, reporter: Reporter, run_dir: Path, forks: int = 8,
+                 home: Callable[[Target], str | None] = lambda t: None):
+        self.recipe = recipe
+        self.targets = targets
+        self.overrides = overrides
+        self.mode = mode
+        self.pool = pool
+        self.reporter = reporter
+        self.run_dir = run_dir
+        self.forks = max(1, forks)
+        self.home = home
+        self.cancel = threading.Event()
+
+    # -- whole run -------------------------------------------------------------------------
+
+    def run(self) -> list[TargetResult]:
+        results = {t.id: TargetResult(t.id) for t in self.targets}
+        executor = ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="fleetcuda")
+        futures: dict[Future[None], Target] = {
+            executor.submit(self._run_target, t, results[t.id]): t for t in self.targets}
+        try:
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+        except KeyboardInterrupt:
+            self.cancel.set()
+            self.pool.abort()
+            for fut in futures:
+                fut.cancel()
+            wait(set(futures), timeout=30)
+            for r in results.values():
+                if r.status in ("pending", "running"):
+                    r.status = "interrupted"
+            raise
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            self.pool.close()
+        return [results[t.id] for t in self.targets]
+
+    # -- one target -------------------------------------------------------------------------
+
+    def _run_target(self, target: Target, result: TargetResult) -> None:
+        if self.cancel.is_set():
+            result.status = "interrupted"
+            return
+        log_path = self.run_dir / (target.id.replace("/", "_") + ".log")
+        result.log = str(log_path)
+        result.status = "running"
+        start = time.monotonic()
+        self.reporter.target_started(target.id)
+        with _private_file(log_path) as log:
+            log.write(f"# fleetcuda {self.mode} {self.recipe.path} on {target.id} at {_now()}\n")
+            try:
+                plan = self._plan(target, log)
+                self._steps(plan, result, log)
+                result.status = _overall(self.mode, result.steps)
+            except StepFailed:
+                result.status = "failed"
+            except (UnreachableError, HostKeyError) as exc:
+                result.status = "unreachable"
+                result.error = str(exc)
+            except Interrupted:
+                result.status = "interrupted"
+                result.error = "interrupted"
+            except FleetcudaError as exc:
+                result.status = "failed"
+                result.error = str(exc)
+            except TemplateError as exc:
+                result.status = "failed"
+                result.error = str(exc)
+            result.duration = time.monotonic() - start
+            log.write(f"# result: {result.status}{' - ' + result.error if result.error else ''}\n")
+        self.reporter.target_finished(result)
+
+    def _plan(self, target: Target, log: IO[str]) -> Plan:
+        values = base_values(self.recipe, target, self.overrides)
+        names = pending_facts(self.recipe, values)
+        if names:
+            cmd = facts_command(self.recipe, target, values, names, self.home(target))
+            res = self._exec(target, "facts", "read", cmd, log, timeout=120)
+            if res.rc != 0:
+                self._maybe_unreachable(res, target)
+            values = {**values, **parse_facts(res.output, names)}
+            log.write("# facts: " + ", ".join(f"{n}={values[n]}" for n in names) + "\n")
+        return make_plan(self.recipe, target, values, self.home(target))
+
+    def _steps(self, plan: Plan, result: TargetResult, log: IO[str]) -> None:
+        tid = plan.target.id
+        for step in plan.steps:
+            if self.cancel.is_set():
+                raise Interrupted()
+            if step.skipped:
+                sr = StepResult(step.name, "skipped", detail=step.skipped)
+            elif self.mode == "verify":
+                sr = self._verify_only(plan.target, step, log)
+            else:
+                sr = self._converge(plan.target, step, log)
+            result.steps.append(sr)
+            self.reporter.step_finished(tid, sr)
+            if sr.status == "failed":
+                raise StepFailed(sr)
+
+    def _converge(self, target: Target, step: PlannedStep, log: IO[str]) -> StepResult:
+        start = time.monotonic()
+        if step.check is not None:
+            res = self._exec(target, step.name, "check", step.check, log, step.timeout)
+            if res.rc == 0:
+                return StepResult(step.name, "ok", time.monotonic() - start, "already satisfied")
+            self._maybe_unreachable(res, target)
+            if step.apply is None:
+                return self._failed(step, "check", res, start, "not satisfied, and the step has nothing to apply")
+        if step.apply is None:
+            assert step.verify is not None
+            res = self._exec(target, step.name, "verify", step.verify, log, step.timeout)
+            self._maybe_unreachable(res, target)
+            if res.rc == 0:
+                return StepResult(step.name, "ok", time.monotonic() - start, "verified")
+            return self._failed(step, "verify", res, start, "verification failed")
+        if self.mode == "check":
+            return StepResult(step.name, "would-change", time.monotonic() - start,
+                              "check not satisfied", _tail(res.output), would_run=step.apply.display)
+        res = self._apply(target, step, log)
+        if res.rc != 0:
+            self._maybe_unreachable(res, target)
+            why = "timed out" if res.timed_out or res.rc == 124 else f"exit {res.rc}"
+            return self._failed(step, "apply", res, start, f"apply failed ({why})")
+        after = step.verify or step.check
+        assert after is not None
+        res = self._exec(target, step.name, "verify", after, log, step.timeout)
+        if res.rc != 0:
+            self._maybe_unreachable(res, target)
+            return self._failed(step, "verify", res, start, "apply ran, but the verification failed")
+        return StepResult(step.name, "changed", time.monotonic() - start, "applied and verified")
+
+    def _verify_only(self, target: Target, step: PlannedStep, log: IO[str]) -> StepResult:
+        start = time.monotonic()
+        cmd = step.verify or step.check
+        assert cmd is not None
+        res = self._exec(target, step.name, "verify", cmd, log, step.timeout)
+        if res.rc == 0:
+            return StepResult(step.name, "ok", time.monotonic() - start, "verified")
+        self._maybe_unreachable(res, target)
+        return StepResult(step.name, "drift", time.monotonic() - start, "verification failed", _tail(res.output))
+
+    def _apply(self, target: Target, step: PlannedStep, log: IO[str]) -> RunResult:
+        assert step.apply is not None
+        if step.retries == 0:
+            return self._exec(target, step.name, "apply", step.apply, log, step.timeout)
+
+        def attempt() -> RunResult:
+            if self.cancel.is_set():
+                raise Interrupted()
+            res = self._exec(target, step.name, "apply", step.apply, log, step.timeout)  # type: ignore[arg-type]
+            if res.rc != 0 and not res.timed_out:
+                log.write(f"# apply failed (exit {res.rc}); retrying\n")
+                raise _Retry(res)
+            return res
+
+        try:
+            for try_ in Retrying(stop=stop_after_attempt(step.retries + 1), reraise=False,
+                                 wait=wait_exponential(multiplier=step.retry_delay, max=step.retry_delay * 8),
+                                 retry=lambda rs: isinstance(rs.outcome.exception(), _Retry)):
+                with try_:
+                    return attempt()
+        except RetryError as exc:
+            last = exc.last_attempt.exception()
+            assert isinstance(last, _Retry)
+            return last.result
+        raise AssertionError("unreachable")
+
+    def _failed(self, step: PlannedStep, phase: str, res: RunResult, start: float, why: str) -> StepResult:
+        return StepResult(step.name, "failed", time.monotonic() - start, f"{phase}: {why}", _tail(res.output))
+
+    def _maybe_unreachable(self, res: RunResult, target: Target) -> None:
+        """pct's own errors (stopped container, unknown vmid, sudo wanting a password) end the target."""
+        if target.container is not None and target.spec.sudo and res.output.startswith("sudo: "):
+            first = res.output.splitlines()[0]
+            raise UnreachableError(f"{target.id}: `sudo -n` refused ({first}); give {target.spec.user} "
+                                   f"passwordless sudo for {target.spec.pct} (fleetcuda never sends passwords)")
+        if res.rc in _UNREACHABLE_RC:
+            tail = [ln for ln in res.output.splitlines() if ln.strip()][-3:]
+            raise UnreachableError(f"{target.id}: " + (" / ".join(tail) or f"exit {res.rc}"))
+
+    def _exec(self, target: Target, step: str, phase: str, cmd: BuiltCommand, log: IO[str],
+              timeout: float | None) -> RunResult:
+        if self.cancel.is_set():
+            raise Interrupted()
+        self.reporter.step_started(target.id, step, phase)
+        log.write(f"\n## {_now()} {step} {phase}\n$ {cmd.display}\n")
+
+        def on_line(line: str) -> None:
+            log.write(line + "\n")
+            self.reporter.output(target.id, step, line)
+
+        transport = self.pool.get(target.host)
+        res = transport.run(cmd, timeout=timeout, on_line=on_line)
+        log.write(f"## exit {res.rc}{' (timed out)' if res.timed_out else ''} after {res.duration:.2f}s\n")
+        if self.cancel.is_set():
+            raise Interrupted()
+        return res
+
+
+class _Retry(Exception):
+    def __init__(self, result: RunResult):
+        super().__init__(f"exit {result.rc}")
+        self.result = result
+
+
+def _overall(mode: Mode, steps: list[StepResult]) -> str:
+    statuses = {s.status for s in steps}
+    for status in ("failed", "drift", "would-change", "changed"):
+        if status in statuses:
+            return status
+    return "ok"
+
+
+def _tail(output: str) -> list[str]:
+    return output.rstrip("\n").splitlines()[-TAIL_LINES:]
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def exit_code(results: list[TargetResult]) -> int:
+    """0 all good; 1 a target failed (or drifted, for verify); 3 a target unreachable; 130 interrupted."""
+    statuses = {r.status for r in results}
+    if "interrupted" in statuses:
+        return 130
+    if statuses & {"failed", "drift"}:
+        return 1
+    if "unreachable" in statuses:
+        return 3
+    return 0

@@ -1,0 +1,165 @@
+"""Planner: recipe + target + variables -> the exact commands of every step, with no I/O.
+
+Dry-run prints exactly these commands; apply, --check and verify send exactly these commands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetcuda.command import BuiltCommand, Invocation, build
+from fleetcuda.inventory import Target
+from fleetcuda.recipe import AUTO, Recipe, check_fact_value
+from fleetcuda.steps import StepContext
+from fleetcuda.templating import TemplateError, render
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+FALSY = {"", "0", "false", "no", "off", "none"}
+FACT_MARK = "@@fleetcuda-fact"
+
+
+@dataclass
+class PlannedStep:
+    index: int
+    name: str
+    kind: str
+    skipped: str | None  # why `when` skipped it
+    check: BuiltCommand | None = None
+    apply: BuiltCommand | None = None
+    verify: BuiltCommand | None = None
+    timeout: int = 1800
+    retries: int = 0
+    retry_delay: float = 5.0
+
+
+@dataclass
+class Plan:
+    target: Target
+    values: dict[str, str]
+    steps: list[PlannedStep] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)  # `auto` vars not yet read from the target
+
+
+def base_values(recipe: Recipe, target: Target, overrides: dict[str, str]) -> dict[str, str]:
+    values = dict(recipe.defaults)
+    values.update(target.vars)
+    values.update(overrides)
+    values.update({
+        "target": target.id,
+        "host": target.host,
+        "vmid": str(target.container.vmid) if target.container else "",
+        "container": target.name or "",
+        "venv": target.venv or "",
+        "python": target.python,
+    })
+    return values
+
+
+def pending_facts(recipe: Recipe, values: dict[str, str]) -> list[str]:
+    return [name for name in recipe.facts if values.get(name) == AUTO]
+
+
+def home_of(target: Target) -> str:
+    if target.container is not None or target.spec.user == "root":
+        return "/root"
+    return f"/home/{target.spec.user}"
+
+
+def base_env(target: Target, home: str | None = None) -> dict[str, str]:
+    env = {"HOME": home or home_of(target), "LANG": "C.UTF-8", "PATH": SYSTEM_PATH}
+    if target.venv:
+        env["VIRTUAL_ENV"] = target.venv
+        env["PATH"] = f"{target.venv}/bin:{SYSTEM_PATH}"
+    return env
+
+
+def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names: list[str],
+                  home: str | None = None) -> BuiltCommand:
+    """One read-only round trip that prints every pending fact between markers."""
+    parts = []
+    for name in names:
+        body = _render(recipe, ("facts", name), recipe.facts[name], values, shell=True)
+        parts.append(f"echo {FACT_MARK} {name}\n( {body}\n) 2>&1 | tail -n 1\necho {FACT_MARK} end $?")
+    return build(target.chain, Invocation("\n".join(parts), base_env(target, home), timeout=120))
+
+
+def parse_facts(output: str, names: list[str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    current: str | None = None
+    for line in output.splitlines():
+        if line.startswith(FACT_MARK + " "):
+            word = line.split()[1]
+            current = word if word != "end" else None
+            continue
+        if current:
+            found[current] = line.strip()
+    missing = [n for n in names if not found.get(n)]
+    if missing:
+        raise TemplateError(f"could not read {', '.join(missing)} from the target (is the venv's torch there?)")
+    return {n: check_fact_value(n, found[n]) for n in names}
+
+
+def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None) -> Plan:
+    plan = Plan(target, values, unresolved=pending_facts(recipe, values))
+    env = {**base_env(target, home), **recipe.env}
+    exports: dict[str, str] = {}
+    prepend: list[str] = []
+    ctx = StepContext(values, target.python, recipe.name)
+    for i, step in enumerate(recipe.steps):
+        skip = _skip_reason(recipe, i, step.when, values)
+        planned = PlannedStep(i, step.name, step.kind, skip, timeout=step.timeout,
+                              retries=step.retries, retry_delay=step.retry_delay)
+        plan.steps.append(planned)
+        if skip:
+            continue
+        try:
+            scripts = step.scripts(ctx)  # type: ignore[attr-defined]
+        except (TemplateError, ValueError) as exc:
+            raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
+        step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values, shell=False)
+                    for k, v in step.env.items()}
+        exports.update(scripts.exports)
+        prepend = scripts.path_prepend + [p for p in prepend if p not in scripts.path_prepend]
+        full_env = {**env, **exports, **step_env}
+        if prepend:
+            full_env["PATH"] = ":".join(prepend) + ":" + full_env["PATH"]
+
+        def cmd(script: str | None) -> BuiltCommand | None:
+            if script is None:
+                return None
+            return build(target.chain, Invocation(script, full_env, timeout=step.timeout))  # noqa: B023
+
+        apply = scripts.apply
+        if apply is not None and step.kind == "shell":
+            apply = "set -e -o pipefail\n" + apply
+        planned.check, planned.apply, planned.verify = cmd(scripts.check), cmd(apply), cmd(scripts.verify)
+    return plan
+
+
+def _render(recipe: Recipe, loc: tuple, text: str, values: dict[str, str], *, shell: bool) -> str:
+    try:
+        return render(text, values, shell=shell)
+    except TemplateError as exc:
+        raise recipe.source.error(loc, str(exc)) from None
+
+
+def _skip_reason(recipe: Recipe, index: int, when: str | None, values: dict[str, str]) -> str | None:
+    if not when:
+        return None
+    expr = when.strip()
+    if "==" in expr or "!=" in expr:
+        op = "==" if "==" in expr else "!="
+        name, _, expected = (p.strip() for p in expr.partition(op))
+        actual = _lookup(recipe, index, name, values)
+        holds = (actual == expected.strip("'\"")) == (op == "==")
+    else:
+        negate = expr.startswith("!")
+        name = expr.lstrip("!").strip()
+        holds = (_lookup(recipe, index, name, values).lower() not in FALSY) != negate
+    return None if holds else f"when: {expr}"
+
+
+def _lookup(recipe: Recipe, index: int, name: str, values: dict[str, str]) -> str:
+    if name not in values:
+        raise recipe.source.error(recipe.step_loc(index, "when"), f"undefined variable {name!r}")
+    return values[name]

@@ -1,0 +1,147 @@
+"""Reporters at the edge: a rich live view on a terminal, timestamped plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from fleetcuda.engine import StepResult, TargetResult
+
+STATUS_STYLE = {
+    "ok": "green", "changed": "yellow", "skipped": "dim", "would-change": "cyan", "drift": "red",
+    "failed": "bold red", "unreachable": "bold red", "interrupted": "magenta",
+}
+
+
+class Reporter:
+    """Hooks the engine calls from its worker threads; implementations must be thread-safe."""
+
+    def start(self, mode: str, recipe: str, targets: list[str]) -> None: ...
+    def target_started(self, target: str) -> None: ...
+    def step_started(self, target: str, step: str, phase: str) -> None: ...
+    def output(self, target: str, step: str, line: str) -> None: ...
+    def step_finished(self, target: str, result: StepResult) -> None: ...
+    def target_finished(self, result: TargetResult) -> None: ...
+    def stop(self) -> None: ...
+
+
+class PlainReporter(Reporter):
+    """One timestamped line per event: for cron, CI and pipes."""
+
+    def __init__(self, stream: TextIO | None = None, show_output: bool = False):
+        self.stream = stream or sys.stdout
+        self.show_output = show_output
+        self.lock = threading.Lock()
+
+    def _line(self, text: str) -> None:
+        with self.lock:
+            self.stream.write(f"{datetime.now(UTC).strftime('%H:%M:%S')} {text}\n")
+            self.stream.flush()
+
+    def start(self, mode: str, recipe: str, targets: list[str]) -> None:
+        self._line(f"{mode} {recipe} on {len(targets)} target(s): {', '.join(targets)}")
+
+    def step_started(self, target: str, step: str, phase: str) -> None:
+        self._line(f"{target} {step}: {phase}")
+
+    def output(self, target: str, step: str, line: str) -> None:
+        if self.show_output:
+            self._line(f"{target} {step} | {line}")
+
+    def step_finished(self, target: str, result: StepResult) -> None:
+        self._line(f"{target} {result.name}: {result.status} ({result.detail}, {result.duration:.1f}s)")
+
+    def target_finished(self, result: TargetResult) -> None:
+        extra = f": {result.error}" if result.error else ""
+        self._line(f"{result.target} done: {result.status}{extra}")
+
+
+class RichReporter(Reporter):
+    """A live table: each target's current step and how long it has been running."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.lock = threading.Lock()
+        self.rows: dict[str, dict[str, object]] = {}
+        self.live: Live | None = None
+
+    def start(self, mode: str, recipe: str, targets: list[str]) -> None:
+        self.console.print(f"[bold]{mode}[/] {recipe} on {len(targets)} target(s)")
+        for t in targets:
+            self.rows[t] = {"status": "pending", "step": "", "since": time.monotonic(), "last": ""}
+        self.live = Live(get_renderable=self._table, console=self.console, refresh_per_second=4, transient=True)
+        self.live.start()
+
+    def _table(self) -> Table:
+        table = Table(show_header=True, header_style="bold", expand=False)
+        for col in ("target", "status", "step", "elapsed", "last output"):
+            table.add_column(col, overflow="ellipsis", no_wrap=True, max_width=60 if col == "last output" else None)
+        now = time.monotonic()
+        with self.lock:
+            for t, row in self.rows.items():
+                status = str(row["status"])
+                elapsed = f"{now - float(row['since']):.0f}s" if status == "running" else ""  # type: ignore[arg-type]
+                style = STATUS_STYLE.get(status, "")
+                table.add_row(t, f"[{style}]{status}[/]" if style else status, str(row["step"]), elapsed,
+                              str(row["last"]))
+        return table
+
+    def target_started(self, target: str) -> None:
+        with self.lock:
+            self.rows[target].update(status="running", since=time.monotonic())
+
+    def step_started(self, target: str, step: str, phase: str) -> None:
+        with self.lock:
+            self.rows[target].update(step=f"{step} ({phase})", last="")
+
+    def output(self, target: str, step: str, line: str) -> None:
+        with self.lock:
+            self.rows[target]["last"] = line.strip()[:200]
+
+    def step_finished(self, target: str, result: StepResult) -> None:
+        if result.status in ("changed", "failed", "drift", "would-change"):
+            style = STATUS_STYLE.get(result.status, "")
+            self.console.print(f"{target} {result.name}: [{style}]{result.status}[/] ({result.detail}, "
+                               f"{result.duration:.1f}s)", highlight=False)
+
+    def target_finished(self, result: TargetResult) -> None:
+        with self.lock:
+            self.rows[result.target].update(status=result.status, step="", last=result.error or "")
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+
+def summary(results: list[TargetResult], console: Console) -> None:
+    """Final per-target table, then the failures with their output tail and log path."""
+    table = Table(title="summary", show_header=True, header_style="bold")
+    for col in ("target", "result", "changed", "steps", "time"):
+        table.add_column(col)
+    for r in results:
+        style = STATUS_STYLE.get(r.status, "")
+        table.add_row(r.target, f"[{style}]{r.status}[/]", str(r.changed), str(len(r.steps)), f"{r.duration:.1f}s")
+    console.print(table)
+    for r in results:
+        for s in r.steps:
+            if s.status in ("failed", "drift"):
+                console.print(f"[bold red]{r.target}[/]: step [bold]{s.name}[/] {s.status}: {s.detail}",
+                              highlight=False)
+                for line in s.tail:
+                    console.print(f"    {line}", markup=False, highlight=False)
+            elif s.status == "would-change" and s.would_run:
+                console.print(f"{r.target}: step {s.name} would run:", highlight=False)
+                console.print(f"    {s.would_run}", markup=False, highlight=False, soft_wrap=True)
+        if r.error:
+            console.print(f"[bold red]{r.target}[/]: {r.status}: {r.error}", highlight=False)
+        if r.status in ("failed", "unreachable", "drift", "interrupted") and r.log:
+            console.print(f"    full log: {r.log}", markup=False, highlight=False)

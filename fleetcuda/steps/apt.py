@@ -1,0 +1,93 @@
+"""`kind: apt_keyring` and `kind: apt_packages`: a repository keyring from a .deb URL, and packages."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from fleetcuda.command import quote
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
+
+PACKAGE = r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$"
+# Wait for dpkg's lock (unattended-upgrades) for a bounded time instead of failing or breaking it.
+APT = "apt-get -o DPkg::Lock::Timeout={lock} -o Dpkg::Use-Pty=0 -q"
+NONINTERACTIVE = "export DEBIAN_FRONTEND=noninteractive NEEDRESTART_MODE=l"
+
+# Downloads through apt's own fetcher (present wherever apt is), else curl or wget; local paths and
+# file:// URLs are copied, so an offline fleet can stage the .deb.
+FETCH = r"""fetch() {
+  case "$1" in
+    file://*) cp -- "${1#file://}" "$2" ;;
+    /*) cp -- "$1" "$2" ;;
+    *) if [ -x /usr/lib/apt/apt-helper ]; then /usr/lib/apt/apt-helper -q download-file "$1" "$2"
+       elif command -v curl >/dev/null; then curl -fsSL --retry 2 -o "$2" "$1"
+       elif command -v wget >/dev/null; then wget -q -O "$2" "$1"
+       else echo "fleetcuda: no downloader (apt-helper, curl, wget) for $1" >&2; return 1; fi ;;
+  esac
+}"""
+
+
+def installed(package: str) -> str:
+    """Shell condition: package is installed (and at the pinned version, if `name=version`)."""
+    name, _, version = package.partition("=")
+    status = f"dpkg-query -W -f='${{db:Status-Abbrev}}${{Version}}' {quote(name)} 2>/dev/null"
+    if version:
+        return f'[ "$({status})" = {quote("ii " + version)} ]'
+    return f'case "$({status})" in "ii "*) true ;; *) false ;; esac'
+
+
+class AptKeyringStep(StepSpec):
+    kind: Literal["apt_keyring"]
+    package: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9+.-]+$")] = "cuda-keyring"
+    repo_url: str = Field(description="base URL; <distro>/<arch>/<filename> is appended")
+    filename: str = "cuda-keyring_1.1-1_all.deb"
+    distro: str = Field(default="auto", description="like debian12 or ubuntu2404; auto reads /etc/os-release")
+    keyring: str = "/usr/share/keyrings/cuda-archive-keyring.gpg"
+    lock_timeout: int = Field(default=300, ge=0, le=3600)
+    verify: str | None = Field(default=None, description="extra condition for check and verify")
+
+    def scripts(self, ctx: StepContext) -> Scripts:
+        done = all_of(installed(self.package), f"test -s {quote(ctx.raw(self.keyring))}",
+                      ctx.shell(self.verify) if self.verify else None)
+        distro = ctx.raw(self.distro)
+        apply = "\n".join([
+            "set -e -o pipefail",
+            NONINTERACTIVE,
+            FETCH,
+            f"distro={quote(distro)}",
+            'if [ "$distro" = auto ]; then . /etc/os-release; distro="${ID}${VERSION_ID//./}"; fi',
+            'case "$(uname -m)" in x86_64) arch=x86_64 ;; aarch64) arch=sbsa ;; '
+            '*) echo "fleetcuda: no NVIDIA repository for $(uname -m)" >&2; exit 1 ;; esac',
+            f'url={quote(ctx.raw(self.repo_url).rstrip("/"))}/"$distro/$arch"/{quote(ctx.raw(self.filename))}',
+            'tmp=$(mktemp -d); trap \'rm -rf "$tmp"\' EXIT',
+            'echo "fetching $url"',
+            'fetch "$url" "$tmp/keyring.deb"',
+            f"{APT.format(lock=self.lock_timeout)} install -y \"$tmp/keyring.deb\"",
+            f"{APT.format(lock=self.lock_timeout)} update",
+        ])
+        return Scripts(done, apply, done)
+
+
+class AptPackagesStep(StepSpec):
+    kind: Literal["apt_packages"]
+    packages: list[Annotated[str, StringConstraints(min_length=1)]] = Field(min_length=1)
+    update: bool = Field(default=True, description="run apt-get update before installing")
+    lock_timeout: int = Field(default=300, ge=0, le=3600)
+    verify: str | None = Field(default=None, description="extra condition for check and verify")
+
+    def scripts(self, ctx: StepContext) -> Scripts:
+        packages = [ctx.raw(p) for p in self.packages]
+        for p in packages:
+            if not re.match(PACKAGE, p):
+                raise ValueError(f"{p!r} is not a Debian package name (optionally name=version)")
+        done = all_of(*[installed(p) for p in packages], ctx.shell(self.verify) if self.verify else None)
+        apt = APT.format(lock=self.lock_timeout)
+        apply = "\n".join(filter(None, [
+            "set -e -o pipefail",
+            NONINTERACTIVE,
+            f"{apt} update" if self.update else None,
+            f"{apt} install -y --no-install-recommends " + " ".join(quote(p) for p in packages),
+        ]))
+        return Scripts(done, apply, done)

@@ -1,0 +1,63 @@
+"""What every step kind shares. A kind is a module that turns its fields into check/apply/verify scripts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from fleetcuda.inventory import SAFE_NAME, VAR_NAME
+from fleetcuda.templating import render
+
+StepName = Annotated[str, StringConstraints(pattern=SAFE_NAME)]
+EnvName = Annotated[str, StringConstraints(pattern=VAR_NAME)]
+WHEN = r"^\s*!?\s*[A-Za-z_][A-Za-z0-9_]*\s*((==|!=)\s*\S.*)?$"
+
+
+class StepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StepName
+    kind: str = "shell"
+    description: str | None = None
+    when: Annotated[str, StringConstraints(pattern=WHEN)] | None = Field(
+        default=None, description="`var`, `!var`, `var == value` or `var != value`")
+    env: dict[EnvName, str | int | bool] = Field(default_factory=dict)
+    timeout: int = Field(default=1800, ge=1, le=24 * 3600, description="seconds, per command")
+    retries: int = Field(default=0, ge=0, le=10, description="extra tries of apply, for retryable steps")
+    retry_delay: float = Field(default=5.0, ge=0, le=600, description="first backoff, doubled each try")
+
+
+@dataclass
+class StepContext:
+    """What a kind may read while planning: the variables and the target's Python."""
+
+    values: Mapping[str, str]
+    python: str
+    recipe: str
+
+    def shell(self, text: str) -> str:
+        return render(text, self.values, shell=True)
+
+    def raw(self, text: str) -> str:
+        return render(text, self.values, shell=False)
+
+
+@dataclass
+class Scripts:
+    check: str | None
+    apply: str | None
+    verify: str | None
+    # Variables later steps see (and PATH entries they get first).
+    exports: dict[str, str] = field(default_factory=dict)
+    path_prepend: list[str] = field(default_factory=list)
+
+
+def all_of(*conditions: str | None) -> str | None:
+    """Join shell conditions so the script fails at the first unmet one."""
+    parts = [c.strip() for c in conditions if c and c.strip()]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return "\n".join(f"{{\n{p}\n}} || exit 1" for p in parts)

@@ -1,0 +1,124 @@
+"""`kind: pip_install`: packages into the target's venv, with uv when present and pip otherwise.
+
+The check compares installed versions (ignoring a local `+tag`, as PEP 440's `==` does) and imports
+the listed modules, so an extension broken by a torch upgrade counts as not installed and is
+rebuilt. Apply reinstalls just the listed packages (never their dependencies), so a rebuild never
+keeps a stale binary; `no_cache` keeps pip and uv from reusing a wheel built for another torch.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from fleetcuda.command import quote
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
+
+REQUIREMENT = re.compile(
+    r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:\[[A-Za-z0-9,._-]+\])?"
+    r"(?:(?P<op>==|>=|<=|~=|!=|<|>)(?P<version>[A-Za-z0-9.*+!_-]+))?$"
+)
+MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+_CHECK = r"""import importlib, importlib.metadata as md, sys
+wanted = sys.argv[1].split()
+modules = sys.argv[2].split()
+bad = 0
+for item in wanted:
+    name, _, version = item.partition("==")
+    try:
+        found = md.version(name)
+    except md.PackageNotFoundError:
+        print(f"{name}: not installed (want {version or 'any'})"); bad = 1; continue
+    if version and found.split("+")[0] != version:
+        print(f"{name}: found {found}, want {version}"); bad = 1
+    else:
+        print(f"{name}: {found}")
+for mod in modules:
+    try:
+        importlib.import_module(mod)
+    except Exception as exc:
+        print(f"import {mod}: {type(exc).__name__}: {str(exc)[:300]}"); bad = 1
+sys.exit(bad)"""
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class PipInstallStep(StepSpec):
+    kind: Literal["pip_install"]
+    packages: list[Annotated[str, StringConstraints(min_length=1)]] = Field(min_length=1)
+    imports: list[Annotated[str, StringConstraints(pattern=MODULE)]] = Field(default_factory=list)
+    python: str | None = Field(default=None, description="default: the target's venv python")
+    uv: str | None = Field(default=None, description="uv binary to prefer (default: the `uv` variable)")
+    index_url: str | None = None
+    extra_index_url: str | None = None
+    find_links: str | None = Field(default=None, description="a local wheelhouse directory or URL")
+    no_index: bool = False
+    no_build_isolation: bool = False
+    no_cache: bool = False
+    no_binary: bool = Field(default=False, description="build these packages from source")
+    no_deps: bool = False
+    verify: str | None = Field(default=None, description="extra condition for check and verify")
+
+    def scripts(self, ctx: StepContext) -> Scripts:
+        specs = [ctx.raw(p) for p in self.packages]
+        names = []
+        for spec in specs:
+            m = REQUIREMENT.match(spec)
+            if not m:
+                raise ValueError(f"{spec!r} is not a requirement like name or name==version")
+            names.append(m.group("name"))
+        python = ctx.raw(self.python) if self.python else ctx.python
+        # Only exact pins are compared; other specifiers just need the package present.
+        wanted = [n + ("==" + m.group("version") if m.group("op") == "==" else "")
+                  for n, m in zip(names, (REQUIREMENT.match(s) for s in specs), strict=True)]
+        check = f"{quote(python)} -c {quote(_CHECK)} {quote(' '.join(wanted))} {quote(' '.join(self.imports))}"
+        done = all_of(check, ctx.shell(self.verify) if self.verify else None)
+
+        uv = ctx.raw(self.uv) if self.uv else ctx.values.get("uv", "")
+        common_uv, common_pip = [], []
+        for opt, uv_flag, pip_flag in [
+            (self.index_url, "--index-url", "--index-url"),
+            (self.extra_index_url, "--extra-index-url", "--extra-index-url"),
+            (self.find_links, "--find-links", "--find-links"),
+        ]:
+            if opt:
+                value = ctx.raw(opt)
+                if value:
+                    common_uv += [uv_flag, value]
+                    common_pip += [pip_flag, value]
+        for flag, uv_flag, pip_flag in [
+            (self.no_index, "--no-index", "--no-index"),
+            (self.no_build_isolation, "--no-build-isolation", "--no-build-isolation"),
+            (self.no_cache, "--no-cache", "--no-cache-dir"),
+            (self.no_deps, "--no-deps", "--no-deps"),
+        ]:
+            if flag:
+                common_uv.append(uv_flag)
+                common_pip.append(pip_flag)
+        if self.no_binary:
+            for n in names:
+                common_uv += ["--no-binary-package", n]
+            common_pip += ["--no-binary", ",".join(names)]
+        # Reinstall only the named packages (a broken or stale build must be rebuilt), never their
+        # dependencies: a forced reinstall of torch would be a disaster.
+        reinstall_uv = [a for n in names for a in ("--reinstall-package", n)]
+        uv_cmd = ['"$uv"', *map(quote, ["pip", "install", "--python", python, *reinstall_uv, *common_uv, *specs])]
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *common_pip]
+        pip_cmds = [" ".join(map(quote, [*pip, "--force-reinstall", "--no-deps", *specs]))]
+        if not self.no_deps:
+            pip_cmds.append(" ".join(map(quote, [*pip, *specs])))
+        apply = "\n".join([
+            "set -e -o pipefail",
+            f"uv={quote(uv)}",
+            'if [ -n "$uv" ] && [ -x "$uv" ]; then',
+            "  " + " ".join(uv_cmd),
+            "else",
+            *("  " + c for c in pip_cmds),
+            "fi",
+        ])
+        return Scripts(done, apply, done)

@@ -1,0 +1,133 @@
+"""YAML loading that remembers where every value came from, so errors name file, line and field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from fleetcuda.errors import InputError
+
+# Bounds keep a hostile or broken file from exhausting memory (alias bombs, giant documents).
+MAX_FILE_BYTES = 4 * 1024 * 1024
+MAX_NODES = 200_000
+
+Loc = tuple[str | int, ...]
+
+
+class SourceDoc:
+    """A parsed YAML document plus a map from each value's path to its 1-based line."""
+
+    def __init__(self, path: str, data: Any, lines: dict[Loc, int]):
+        self.path = path
+        self.data = data
+        self.lines = lines
+
+    def line_of(self, loc: Iterable[str | int]) -> int | None:
+        """Line of the deepest known prefix of loc (pydantic locs may run past what the YAML has)."""
+        loc = tuple(loc)
+        for end in range(len(loc), -1, -1):
+            if loc[:end] in self.lines:
+                return self.lines[loc[:end]]
+        return None
+
+    def error(self, loc: Iterable[str | int], message: str) -> InputError:
+        loc = tuple(loc)
+        return InputError(self.path, self.line_of(loc), format_loc(loc), message)
+
+    def validate(self, model: type[pydantic.BaseModel], data: Any = None, base: Loc = ()) -> Any:
+        """Validate with pydantic; the first error becomes an InputError at its YAML line."""
+        try:
+            return model.model_validate(self.data if data is None else data)
+        except pydantic.ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            loc = base + tuple(p for p in err["loc"] if not _is_union_tag(p))
+            raise self.error(loc, _message(err)) from None
+
+
+def _is_union_tag(part: str | int) -> bool:
+    # pydantic inserts the union member's name ("function-after[...]", "ShellStep") into locs.
+    return isinstance(part, str) and ("[" in part or part[:1].isupper())
+
+
+def _message(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return "unknown field"
+    if err["type"] == "missing":
+        return "required field is missing"
+    inp = err.get("input")
+    if isinstance(inp, (str, int, float, bool)) and err["type"] not in ("value_error",):
+        shown = repr(inp) if len(repr(inp)) <= 80 else repr(inp)[:77] + "..."
+        return f"{msg} (got {shown})"
+    return msg.removeprefix("Value error, ")
+
+
+def format_loc(loc: Iterable[str | int]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def load_yaml(path: str | Path) -> SourceDoc:
+    path = Path(path)
+    shown = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(shown, None, "", "file not found") from None
+    except OSError as exc:
+        raise InputError(shown, None, "", f"cannot read: {exc.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise InputError(shown, None, "", f"file is larger than {MAX_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(shown, None, "", f"not UTF-8 text (byte {exc.start})") from None
+    return parse_yaml(text, shown)
+
+
+def parse_yaml(text: str, shown: str) -> SourceDoc:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        lines: dict[Loc, int] = {}
+        data = _build(loader, node, (), lines, [0]) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else None
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise InputError(shown, line, "", f"invalid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(shown, None, "", f"invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+    return SourceDoc(shown, data, lines)
+
+
+def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, int], count: list[int]) -> Any:
+    count[0] += 1
+    if count[0] > MAX_NODES:
+        raise yaml.MarkedYAMLError(problem=f"more than {MAX_NODES} values", problem_mark=node.start_mark)
+    lines[loc] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        loader.flatten_mapping(node)  # resolves "<<" merge keys
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
+                                           problem_mark=key_node.start_mark)
+            if key in out:
+                raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
+            out[key] = _build(loader, value_node, loc + (key,), lines, count)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(loader, item, loc + (i,), lines, count) for i, item in enumerate(node.value)]
+    value = loader.construct_object(node, deep=True)
+    # A version such as `cuda_version: 12.10` must not become the float 12.1: keep the text.
+    return node.value if isinstance(value, float) else value
