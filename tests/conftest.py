@@ -1,0 +1,40 @@
+"""Shared fixtures: one loopback OpenSSH server with test users and the pct stand-in per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.lab.sshd import LoopbackSshd, make_traversable, start_loopback_sshd
+
+REPO = Path(__file__).resolve().parent.parent
+SHELLS = {"sh": "/bin/sh", "bash": "/bin/bash", "dash": "/usr/bin/dash", "zsh": "/usr/bin/zsh"}
+REQUIRED = ("/usr/sbin/sshd", "/usr/bin/zsh", "/usr/bin/dash", "/usr/bin/sudo")
+
+
+def need(paths: tuple[str, ...], why: str) -> None:
+    """Skip when a real part is missing, except under CI, where that would hide lost coverage."""
+    missing = [p for p in paths if not Path(p).exists() and shutil.which(p) is None]
+    if missing:
+        reason = f"{why} needs {', '.join(missing)} (.ci/run installs them)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def sshd_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackSshd]:
+    need(REQUIRED, "the loopback ssh lab")
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the loopback ssh lab needs root")
+        pytest.skip("the loopback ssh lab needs root")
+    workdir = tmp_path_factory.mktemp("lab")
+    make_traversable(workdir)
+    server = start_loopback_sshd(workdir)
+    yield server
+    server.stop()
