@@ -64,7 +64,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    err = Console(stderr=True, highlight=False)
     try:
         if args.forks < 1:
             raise InputError("--forks", None, "", "must be at least 1")
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets:
             make_plan(recipe, t, base_values(recipe, t, overrides))
     except InputError as exc:
-        err.print(f"fleetcuda: {exc}", markup=False)
+        print(f"fleetcuda: {exc}", file=sys.stderr)
         return EXIT_INPUT
     mode = "verify" if args.command == "verify" else ("check" if args.check else "apply")
     return execute(recipe, inventory, targets, overrides, mode, args)

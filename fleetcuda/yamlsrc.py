@@ -21,10 +21,11 @@ Loc = tuple[str | int, ...]
 class SourceDoc:
     """A parsed YAML document plus a map from each value's path to its 1-based line."""
 
-    def __init__(self, path: str, data: Any, lines: dict[Loc, int]):
+    def __init__(self, path: str, data: Any, lines: dict[Loc, int], sequences: set[Loc] | None = None):
         self.path = path
         self.data = data
         self.lines = lines
+        self.sequences = sequences or set()
 
     def line_of(self, loc: Iterable[str | int]) -> int | None:
         """Line of the deepest known prefix of loc (pydantic locs may run past what the YAML has)."""
@@ -36,7 +37,18 @@ class SourceDoc:
 
     def error(self, loc: Iterable[str | int], message: str) -> InputError:
         loc = tuple(loc)
-        return InputError(self.path, self.line_of(loc), format_loc(loc), message)
+        return InputError(self.path, self.line_of(loc), self.format_loc(loc), message)
+
+    def format_loc(self, loc: Iterable[str | int]) -> str:
+        """`hosts.a.containers.200.name`, `steps[3].check`: [i] only for positions in YAML lists."""
+        out, prefix = "", ()
+        for part in loc:
+            if isinstance(part, int) and (prefix in self.sequences or prefix not in self.lines):
+                out += f"[{part}]"
+            else:
+                out += f".{part}" if out else str(part)
+            prefix = prefix + (part,)
+        return out
 
     def validate(self, model: type[pydantic.BaseModel], data: Any = None, base: Loc = ()) -> Any:
         """Validate with pydantic; the first error becomes an InputError at its YAML line."""
@@ -66,13 +78,6 @@ def _message(err: dict[str, Any]) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def format_loc(loc: Iterable[str | int]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def load_yaml(path: str | Path) -> SourceDoc:
     path = Path(path)
     shown = str(path)
@@ -96,7 +101,8 @@ def parse_yaml(text: str, shown: str) -> SourceDoc:
     try:
         node = loader.get_single_node()
         lines: dict[Loc, int] = {}
-        data = _build(loader, node, (), lines, [0]) if node is not None else None
+        sequences: set[Loc] = set()
+        data = _build(loader, node, (), lines, sequences, [0]) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
@@ -106,10 +112,11 @@ def parse_yaml(text: str, shown: str) -> SourceDoc:
         raise InputError(shown, None, "", f"invalid YAML: {exc}") from None
     finally:
         loader.dispose()
-    return SourceDoc(shown, data, lines)
+    return SourceDoc(shown, data, lines, sequences)
 
 
-def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, int], count: list[int]) -> Any:
+def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, int], sequences: set[Loc],
+           count: list[int]) -> Any:
     count[0] += 1
     if count[0] > MAX_NODES:
         raise yaml.MarkedYAMLError(problem=f"more than {MAX_NODES} values", problem_mark=node.start_mark)
@@ -124,10 +131,13 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
                                            problem_mark=key_node.start_mark)
             if key in out:
                 raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
-            out[key] = _build(loader, value_node, loc + (key,), lines, count)
+            out[key] = _build(loader, value_node, loc + (key,), lines, sequences, count)
+            # Point at the key's line: that is where a reader looks for `field:`.
+            lines[loc + (key,)] = key_node.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_build(loader, item, loc + (i,), lines, count) for i, item in enumerate(node.value)]
+        sequences.add(loc)
+        return [_build(loader, item, loc + (i,), lines, sequences, count) for i, item in enumerate(node.value)]
     value = loader.construct_object(node, deep=True)
     # A version such as `cuda_version: 12.10` must not become the float 12.1: keep the text.
     return node.value if isinstance(value, float) else value
