@@ -66,7 +66,7 @@ class HostSpec(_Model):
     identity_file: LocalPath | None = None
     known_hosts: LocalPath | None = None
     jump: Name | None = Field(default=None, description="another host of this inventory to hop through")
-    sudo: bool = Field(default=False, description="reach pct through `sudo -n` (for a non-root SSH user)")
+    sudo: bool | None = Field(default=None, description="reach pct through `sudo -n` (for a non-root SSH user)")
     pct: AbsPath = DEFAULT_PCT
     connect_timeout: int = Field(default=10, ge=1, le=300)
     venv: AbsPath | None = None
@@ -80,8 +80,9 @@ class HostSpec(_Model):
             raise ValueError("an ssh host needs an address")
         if self.kind == "local" and (self.address or self.jump):
             raise ValueError("a local host takes no address or jump")
-        if self.containers and self.user != "root" and not self.sudo:
-            raise ValueError(f"user {self.user!r} is not root: set `sudo: true` to reach pct through sudo -n")
+        if self.containers and self.user != "root" and self.sudo is None:
+            raise ValueError(f"user {self.user!r} is not root: set `sudo: true` to reach pct through sudo -n "
+                             "(or `sudo: false` if that user is root under another name)")
         return self
 
 
@@ -181,7 +182,7 @@ def load_inventory(path: str | Path) -> Inventory:
             merged.update({k: var_to_str(v) for k, v in host.vars.items()})
             if ct:
                 merged.update({k: var_to_str(v) for k, v in ct.vars.items()})
-            pct = PctHop(ct.vmid, host.pct, host.sudo) if ct else None
+            pct = PctHop(ct.vmid, host.pct, bool(host.sudo)) if ct else None
             targets.append(Target(host_name, host, ct, HopChain(ssh, pct), groups, merged))
     return Inventory(doc.path, spec, targets, doc)
 

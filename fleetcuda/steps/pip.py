@@ -44,8 +44,8 @@ for mod in modules:
 sys.exit(bad)"""
 
 
-def _normal(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+def _truthy(value: str) -> bool:
+    return value.strip().lower() not in ("", "0", "false", "no", "off", "none")
 
 
 class PipInstallStep(StepSpec):
@@ -57,7 +57,7 @@ class PipInstallStep(StepSpec):
     index_url: str | None = None
     extra_index_url: str | None = None
     find_links: str | None = Field(default=None, description="a local wheelhouse directory or URL")
-    no_index: bool = False
+    no_index: bool | str = Field(default=False, description="true, or a variable such as {{ no_index }}")
     no_build_isolation: bool = False
     no_cache: bool = False
     no_binary: bool = Field(default=False, description="build these packages from source")
@@ -92,7 +92,8 @@ class PipInstallStep(StepSpec):
                     common_uv += [uv_flag, value]
                     common_pip += [pip_flag, value]
         for flag, uv_flag, pip_flag in [
-            (self.no_index, "--no-index", "--no-index"),
+            (_truthy(ctx.raw(self.no_index)) if isinstance(self.no_index, str) else self.no_index,
+             "--no-index", "--no-index"),
             (self.no_build_isolation, "--no-build-isolation", "--no-build-isolation"),
             (self.no_cache, "--no-cache", "--no-cache-dir"),
             (self.no_deps, "--no-deps", "--no-deps"),

@@ -1,0 +1,391 @@
+#!/usr/bin/python3
+"""Bring the fleetcuda lab up or down: a Proxmox-like test fleet on one Debian 12 machine.
+
+    tests/lab/labctl.py up       # idempotent: builds what is missing, starts what is stopped
+    tests/lab/labctl.py reset    # every container back to bare (its overlay emptied)
+    tests/lab/labctl.py down     # stop containers and sshds, remove the namespaces
+    tests/lab/labctl.py down --purge   # ... and delete everything under /var/lib/fleetcuda-lab
+
+Lab hosts are network namespaces with their own address and their own OpenSSH sshd; containers
+are real LXC containers sharing one debootstrapped Debian 12 base through overlayfs, so each one's
+installed state is its own. /usr/sbin/pct is a stand-in over LXC (tests/lab/pct_lxc.py). NVIDIA's
+apt repository and PyPI's CUDA packages are replaced by local stand-ins, bind-mounted read-only
+into every container (containers have no network). Needs root. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LAB = Path(os.environ.get("FLEETCUDA_LAB_ROOT", "/var/lib/fleetcuda-lab"))
+BASE = LAB / "base"
+APT_REPO = LAB / "apt"
+WHEELHOUSE = LAB / "wheelhouse"
+IN_CONTAINER = "/srv/fleetcuda-lab"  # where the stand-ins appear inside containers
+KNOWN_HOSTS = LAB / "known_hosts"
+IDENTITY = LAB / "id_ed25519"
+PCT = Path("/usr/sbin/pct")
+SUDOERS = Path("/etc/sudoers.d/fleetcuda-lab")
+SUBNET = "10.250"  # 10.250.<host index>.2 is a lab host; nothing else is ever addressed
+
+
+@dataclass
+class User:
+    name: str
+    shell: str
+    uid0: bool = False  # a second name for root, so root's login shell can be zsh on one host only
+    sudo: str | None = None  # "nopasswd" or "password"
+
+
+@dataclass
+class LabHost:
+    name: str
+    index: int
+    users: list[User]
+    running: list[int]
+    stopped: list[int] = field(default_factory=list)
+
+    @property
+    def netns(self) -> str:
+        return f"fclab-{self.name}"
+
+    @property
+    def address(self) -> str:
+        return f"{SUBNET}.{self.index}.2"
+
+    @property
+    def dir(self) -> Path:
+        return LAB / "hosts" / self.name
+
+
+HOSTS = [
+    # Root whose login shell is zsh: the shell that broke the seeds' quoting.
+    LabHost("a", 1, [User("labzsh", "/usr/bin/zsh", uid0=True)], running=[200, 201], stopped=[202]),
+    # A non-root SSH user reaching pct through `sudo -n`; and one whose sudo wants a password.
+    LabHost("b", 2, [User("labops", "/bin/bash", sudo="nopasswd"), User("labpw", "/bin/bash", sudo="password")],
+            running=[300, 301]),
+]
+
+
+def log(msg: str) -> None:
+    print(f"labctl: {msg}", flush=True)
+
+
+def run(*argv: str | Path, check: bool = True, **kw: object) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(a) for a in argv], text=True, capture_output=True, **kw)  # type: ignore[call-overload]
+    if check and proc.returncode != 0:
+        raise SystemExit(f"labctl: {' '.join(map(str, argv))} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return proc
+
+
+def in_ns(host: LabHost, *argv: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    # nsenter, not `ip netns exec`: the latter remounts /sys and LXC then loses the cgroup hierarchies.
+    return run("nsenter", f"--net=/run/netns/{host.netns}", *argv, check=check)
+
+
+# -- stand-ins and base --------------------------------------------------------------------------
+
+
+def debian_mirror() -> str:
+    for path in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*")]:
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in text.splitlines():
+            if line.startswith("URIs:") and "debian" in line and "security" not in line:
+                return line.split()[1]
+            parts = line.split()
+            if parts[:1] == ["deb"] and "debian" in line and "security" not in line:
+                return next(p for p in parts[1:] if p.startswith("http"))
+    return "http://deb.debian.org/debian"
+
+
+def build_standins() -> None:
+    run(sys.executable, HERE / "standins" / "python" / "build_wheelhouse.py", WHEELHOUSE)
+    run("bash", HERE / "standins" / "apt" / "build_repo.sh", APT_REPO, f"file://{IN_CONTAINER}/apt")
+    log(f"stand-ins ready: {APT_REPO} (NVIDIA apt), {WHEELHOUSE} (torch, fla-core, causal-conv1d)")
+
+
+def build_base() -> None:
+    if (BASE / ".fleetcuda-complete").exists():
+        return
+    tmp = LAB / "base.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    log("debootstrap of Debian 12 (minbase, python3, python3-venv); about a minute")
+    run("debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", tmp, debian_mirror())
+    # Containers are offline: the only apt source they may get is the stand-in NVIDIA repository.
+    (tmp / "etc/apt/sources.list").write_text("")
+    # The training venv of the seeds: torch built for CUDA 12.8, pip and setuptools, but no wheel.
+    mnt = tmp / IN_CONTAINER.lstrip("/") / "wheelhouse"
+    mnt.mkdir(parents=True)
+    run("mount", "--bind", WHEELHOUSE, mnt)
+    try:
+        run("chroot", tmp, "/usr/bin/python3", "-m", "venv", "/root/venv")
+        run("chroot", tmp, "/root/venv/bin/python", "-m", "pip", "install", "-q", "--no-index", "--find-links",
+            f"{IN_CONTAINER}/wheelhouse", "torch==2.11.0+cu128")
+    finally:
+        run("umount", mnt)
+    (tmp / ".fleetcuda-complete").write_text("")
+    tmp.rename(BASE)
+
+
+# -- hosts ---------------------------------------------------------------------------------------
+
+
+def ensure_users() -> None:
+    for host in HOSTS:
+        for user in host.users:
+            if run("id", user.name, check=False).returncode != 0:
+                if user.uid0:
+                    run("useradd", "-o", "-u", "0", "-g", "0", "-M", "-d", "/root", "-s", user.shell, user.name)
+                else:
+                    run("useradd", "-m", "-s", user.shell, user.name)
+            else:
+                run("usermod", "-s", user.shell, user.name)
+            # With UsePAM no, sshd refuses accounts whose password field is locked ("!").
+            run("usermod", "-p", "*", user.name)
+    lines = ["# fleetcuda lab: non-root SSH users reach the pct stand-in through sudo -n"]
+    for host in HOSTS:
+        for user in host.users:
+            if user.sudo == "nopasswd":
+                lines.append(f"{user.name} ALL=(root) NOPASSWD: {PCT}")
+            elif user.sudo == "password":
+                lines.append(f"{user.name} ALL=(root) {PCT}")
+    tmp = SUDOERS.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.chmod(0o440)
+    run("visudo", "-cf", tmp)
+    tmp.rename(SUDOERS)
+
+
+def ensure_keys() -> None:
+    LAB.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if not IDENTITY.exists():
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fleetcuda-lab-client", "-f", IDENTITY)
+    keys = LAB / "authorized_keys"
+    keys.mkdir(exist_ok=True)
+    pub = IDENTITY.with_suffix(".pub").read_text()
+    for host in HOSTS:
+        for user in host.users:
+            (keys / user.name).write_text(pub)
+            (keys / user.name).chmod(0o644)
+
+
+def ensure_netns(host: LabHost) -> None:
+    if not Path(f"/run/netns/{host.netns}").exists():
+        run("ip", "netns", "add", host.netns)
+    veth = f"fcl-{host.name}"
+    if run("ip", "link", "show", veth, check=False).returncode != 0:
+        run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
+        run("ip", "addr", "add", f"{SUBNET}.{host.index}.1/24", "dev", veth)
+    run("ip", "link", "set", veth, "up")
+    in_ns(host, "ip", "link", "set", "lo", "up")
+    if f"{host.address}/24" not in in_ns(host, "ip", "-o", "addr", "show", "dev", "eth0").stdout:
+        in_ns(host, "ip", "addr", "add", f"{host.address}/24", "dev", "eth0")
+    in_ns(host, "ip", "link", "set", "eth0", "up")
+
+
+def sshd_pid(host: LabHost) -> int | None:
+    pidfile = host.dir / "sshd.pid"
+    try:
+        pid = int(pidfile.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if str(host.dir / "sshd_config").encode() in cmdline else None
+
+
+def ensure_sshd(host: LabHost) -> None:
+    host.dir.mkdir(parents=True, exist_ok=True)
+    key = host.dir / "ssh_host_ed25519_key"
+    if not key.exists():
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fleetcuda-lab-{host.name}", "-f", key)
+    config = host.dir / "sshd_config"
+    config.write_text("\n".join([
+        f"ListenAddress {host.address}",
+        "Port 22",
+        f"HostKey {key}",
+        f"PidFile {host.dir / 'sshd.pid'}",
+        f"AuthorizedKeysFile {LAB / 'authorized_keys'}/%u",
+        "StrictModes no",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PubkeyAuthentication yes",
+        "PermitRootLogin prohibit-password",
+        "UsePAM no",
+        "MaxSessions 64",
+        "MaxStartups 128:30:256",
+        "LogLevel VERBOSE",
+        f"AllowUsers {' '.join(u.name for u in host.users)}",
+        "Subsystem sftp internal-sftp",
+        "",
+    ]))
+    if sshd_pid(host) is None:
+        Path("/run/sshd").mkdir(exist_ok=True)
+        in_ns(host, "/usr/sbin/sshd", "-f", config, "-E", host.dir / "sshd.log")
+        deadline = time.monotonic() + 10
+        while sshd_pid(host) is None:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"labctl: sshd of host {host.name} did not start; see {host.dir / 'sshd.log'}")
+            time.sleep(0.05)
+
+
+def write_known_hosts() -> None:
+    lines = []
+    for host in HOSTS:
+        kind, blob = (host.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        lines.append(f"{host.address} {kind} {blob}")
+    KNOWN_HOSTS.write_text("\n".join(lines) + "\n")
+
+
+# -- containers ----------------------------------------------------------------------------------
+
+
+def container_dir(host: LabHost, vmid: int) -> Path:
+    return host.dir / "lxc" / str(vmid)
+
+
+def ensure_container(host: LabHost, vmid: int) -> None:
+    d = container_dir(host, vmid)
+    (d / "delta").mkdir(parents=True, exist_ok=True)
+    (d / "config").write_text("\n".join([
+        f"lxc.uts.name = ct{vmid}",
+        f"lxc.rootfs.path = overlay:{BASE}:{d / 'delta'}",
+        "lxc.include = /usr/share/lxc/config/common.conf",
+        "lxc.apparmor.profile = unconfined",
+        "lxc.net.0.type = empty",
+        "lxc.init.cmd = /bin/sleep infinity",
+        f"lxc.mount.entry = {APT_REPO} {IN_CONTAINER.lstrip('/')}/apt none bind,ro,create=dir 0 0",
+        f"lxc.mount.entry = {WHEELHOUSE} {IN_CONTAINER.lstrip('/')}/wheelhouse none bind,ro,create=dir 0 0",
+        "",
+    ]))
+
+
+def state(host: LabHost, vmid: int) -> str:
+    out = in_ns(host, "lxc-info", "-P", host.dir / "lxc", "-n", str(vmid), "-s", "-H", check=False)
+    return out.stdout.strip()
+
+
+def start(host: LabHost, vmid: int) -> None:
+    if state(host, vmid) != "RUNNING":
+        # From inside the host's namespace: LXC's command socket is abstract, so per namespace.
+        in_ns(host, "lxc-start", "-P", host.dir / "lxc", "-n", str(vmid))
+        in_ns(host, "lxc-wait", "-P", host.dir / "lxc", "-n", str(vmid), "-s", "RUNNING", "-t", "10")
+
+
+def stop(host: LabHost, vmid: int) -> None:
+    if state(host, vmid) == "RUNNING":
+        in_ns(host, "lxc-stop", "-P", host.dir / "lxc", "-n", str(vmid), "-k", check=False)
+
+
+def reset(targets: list[str]) -> None:
+    for host in HOSTS:
+        for vmid in host.running + host.stopped:
+            if targets and f"{host.name}/{vmid}" not in targets:
+                continue
+            stop(host, vmid)
+            delta = container_dir(host, vmid) / "delta"
+            shutil.rmtree(delta, ignore_errors=True)
+            shutil.rmtree(delta.parent / "olwork", ignore_errors=True)
+            delta.mkdir()
+            if vmid in host.running:
+                start(host, vmid)
+    log("containers reset to bare")
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def up() -> None:
+    missing = [t for t in ("lxc-start", "debootstrap", "sshd", "zsh", "sudo", "nsenter", "dpkg-deb", "gpg")
+               if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    if missing:
+        raise SystemExit(f"labctl: missing {', '.join(missing)}; tests/run installs them")
+    LAB.mkdir(parents=True, exist_ok=True)
+    os.chmod(LAB, 0o755)
+    build_standins()
+    build_base()
+    ensure_keys()
+    ensure_users()
+    shutil.copyfile(HERE / "pct_lxc.py", PCT)
+    PCT.chmod(0o755)
+    for host in HOSTS:
+        ensure_netns(host)
+        ensure_sshd(host)
+        for vmid in host.running + host.stopped:
+            ensure_container(host, vmid)
+            if vmid in host.running:
+                start(host, vmid)
+            else:
+                stop(host, vmid)
+    write_known_hosts()
+    for host in HOSTS:
+        user = host.users[0].name
+        probe = run("ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                    "-o", f"UserKnownHostsFile={KNOWN_HOSTS}", "-o", "IdentitiesOnly=yes", "-i", IDENTITY,
+                    "-o", "ConnectTimeout=5", f"{user}@{host.address}", "sudo -n /usr/sbin/pct list"
+                    if host.users[0].sudo else "/usr/sbin/pct list", check=False)
+        if probe.returncode != 0:
+            raise SystemExit(f"labctl: host {host.name} is not usable over ssh: {probe.stderr.strip()}")
+        log(f"host {host.name} at {host.address}: {len(probe.stdout.splitlines()) - 1} containers")
+    (LAB / "up").write_text(str(os.getpid()))
+    log(f"up; inventory: inventories/lab.yaml; known_hosts: {KNOWN_HOSTS}")
+
+
+def down(purge: bool) -> None:
+    for host in HOSTS:
+        if Path(f"/run/netns/{host.netns}").exists():
+            for vmid in host.running + host.stopped:
+                if container_dir(host, vmid).exists():
+                    stop(host, vmid)
+        pid = sshd_pid(host)
+        if pid:
+            os.kill(pid, 15)
+        run("ip", "link", "del", f"fcl-{host.name}", check=False)
+        if Path(f"/run/netns/{host.netns}").exists():
+            run("ip", "netns", "del", host.netns, check=False)
+    (LAB / "up").unlink(missing_ok=True)
+    if purge:
+        SUDOERS.unlink(missing_ok=True)
+        if PCT.exists() and "fleetcuda lab stand-in" in PCT.read_text(errors="replace"):
+            PCT.unlink()
+        shutil.rmtree(LAB, ignore_errors=True)
+    log("down" + (" and purged" if purge else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("up")
+    sub.add_parser("status")
+    r = sub.add_parser("reset")
+    r.add_argument("targets", nargs="*", help="host/vmid (default: all)")
+    d = sub.add_parser("down")
+    d.add_argument("--purge", action="store_true")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("labctl: needs root")
+    if args.cmd == "up":
+        up()
+    elif args.cmd == "reset":
+        reset(args.targets)
+    elif args.cmd == "down":
+        down(args.purge)
+    else:
+        for host in HOSTS:
+            for vmid in host.running + host.stopped:
+                print(f"{host.name}/{vmid} {state(host, vmid) if Path(f'/run/netns/{host.netns}').exists() else '-'}")
+
+
+if __name__ == "__main__":
+    main()
