@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,3 +40,14 @@ def sshd_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackSshd]
     server = start_loopback_sshd(workdir)
     yield server
     server.stop()
+
+
+def run_fleetcuda(*args: str, state: Path, check: bool = False, timeout: float = 600,
+                  cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess, as a user runs it; its run directories go under `state`."""
+    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "fleetcuda", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_fleetcuda
 from tests.lab.sshd import LoopbackSshd
 
 MARKER = REPO / "tests" / "data" / "marker.yaml"
@@ -38,12 +37,7 @@ def write_inventory(lab: LoopbackSshd, path: Path, *, known_hosts: Path | None =
 
 
 def fleetcuda(*args: str, state: Path, check: bool = False) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, "-m", "fleetcuda", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    return run_fleetcuda(*args, state=state, check=check, timeout=300)
 
 
 @pytest.fixture
