@@ -12,6 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
+import paramiko
 from rich.console import Console
 
 from fleetcuda import __version__
@@ -21,7 +22,17 @@ from fleetcuda.inventory import Inventory, Target, load_inventory
 from fleetcuda.planner import base_values, make_plan, pending_facts
 from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
 from fleetcuda.report import PlainReporter, Reporter, RichReporter, summary
-from fleetcuda.transport import LocalTransport, SshTransport, Transport, TransportPool
+from fleetcuda.transport import (
+    LocalTransport,
+    SshTransport,
+    Transport,
+    TransportPool,
+    fetch_host_key,
+    fingerprint,
+    known_hosts_name,
+    known_key,
+    record_host_key,
+)
 
 DEFAULT_INVENTORY = "inventories/example.yaml"
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -59,11 +70,19 @@ def _parser() -> argparse.ArgumentParser:
 
     vp = sub.add_parser("verify", help="run only checks and verifications (read-only); report drift")
     common(vp)
+
+    tp = sub.add_parser("trust", help="show a host's SSH key and record it in the inventory's known_hosts")
+    tp.add_argument("host", help="a host name of the inventory")
+    tp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
+    tp.add_argument("--fingerprint", help="record the key only if its SHA256 fingerprint is this one")
+    tp.add_argument("--yes", action="store_true", help="record without asking (after checking the fingerprint!)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "trust":
+        return trust(args)
     try:
         if args.forks < 1:
             raise InputError("--forks", None, "", "must be at least 1")
@@ -81,6 +100,51 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INPUT
     mode = "verify" if args.command == "verify" else ("check" if args.check else "apply")
     return execute(recipe, inventory, targets, overrides, mode, args)
+
+
+def trust(args: argparse.Namespace) -> int:
+    """Record a host key after showing it: never silently, never from cron without a fingerprint."""
+    try:
+        inventory = load_inventory(args.inventory)
+        if args.host not in inventory.spec.hosts or inventory.spec.hosts[args.host].kind != "ssh":
+            raise InputError(args.inventory, None, "hosts", f"{args.host!r} is not an ssh host of this inventory")
+    except InputError as exc:
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    hop = next(t.chain.ssh for t in inventory.targets if t.host == args.host)
+    assert hop is not None
+    name = known_hosts_name(hop.address, hop.port)
+    try:
+        key = fetch_host_key(hop)
+    except (OSError, paramiko.SSHException) as exc:
+        print(f"fleetcuda: {name}: cannot connect: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    shown = f"{key.get_name()} {fingerprint(key)}"
+    existing = known_key(hop)
+    if existing is not None:
+        if existing.asbytes() == key.asbytes():
+            print(f"{name} is already trusted: {shown}")
+            return EXIT_OK
+        print(f"fleetcuda: {name} presents {shown}, but {hop.known_hosts} holds {fingerprint(existing)}: "
+              "refusing; remove the old line by hand if the host was really reinstalled", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(f"{name} presents {shown}")
+    if args.fingerprint:
+        if args.fingerprint != fingerprint(key):
+            print(f"fleetcuda: fingerprint mismatch: expected {args.fingerprint}; nothing recorded", file=sys.stderr)
+            return EXIT_UNREACHABLE
+    elif not args.yes:
+        if not sys.stdin.isatty():
+            print("fleetcuda: not recording without a terminal to confirm; pass --fingerprint SHA256:...",
+                  file=sys.stderr)
+            return EXIT_INPUT
+        if input(f"Record this key for {name}? Compare it with the host's own `ssh-keygen -lf` first. [y/N] ") \
+                .strip().lower() not in ("y", "yes"):
+            print("nothing recorded")
+            return EXIT_FAILED
+    path = record_host_key(hop, key)
+    print(f"recorded in {path}")
+    return EXIT_OK
 
 
 def _home(target: Target) -> str | None:

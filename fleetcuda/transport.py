@@ -139,8 +139,7 @@ class _RefuseUnknown(paramiko.MissingHostKeyPolicy):
             f"host key of {name} is not in {self.known_hosts}: {key.get_name()} {fingerprint(key)}. "
             f"If that fingerprint is the host's (ask its admin, or run `ssh-keygen -lf "
             f"/etc/ssh/ssh_host_{key.get_name().removeprefix('ssh-')}_key.pub` on it), trust it with: "
-            f"fleetcuda trust -i INVENTORY HOST, or ssh-keyscan -p {self.hop.port} {self.hop.address} "
-            f">> {self.known_hosts}"
+            f"fleetcuda trust -i INVENTORY HOST --fingerprint {fingerprint(key)}"
         )
 
 
@@ -304,3 +303,33 @@ class TransportPool:
     def close(self) -> None:
         for t in list(self._transports.values()):
             t.close()
+
+
+def fetch_host_key(hop: SshHop) -> paramiko.PKey:
+    """The key a host presents (no authentication), for `fleetcuda trust` to show before recording it."""
+    sock = socket.create_connection((hop.address, hop.port), timeout=hop.connect_timeout)
+    transport = paramiko.Transport(sock)
+    try:
+        transport.start_client(timeout=hop.connect_timeout)
+        return transport.get_remote_server_key()
+    finally:
+        transport.close()
+
+
+def record_host_key(hop: SshHop, key: paramiko.PKey) -> str:
+    """Append the key to the hop's known_hosts (created 0600); returns the file's path."""
+    path = Path(_known_hosts_path(hop))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    line = f"{known_hosts_name(hop.address, hop.port)} {key.get_name()} {key.get_base64()}\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as fh:
+        fh.write(line)
+    return str(path)
+
+
+def known_key(hop: SshHop) -> paramiko.PKey | None:
+    path = _known_hosts_path(hop)
+    if not Path(path).is_file():
+        return None
+    keys = paramiko.HostKeys(path).lookup(known_hosts_name(hop.address, hop.port))
+    return next(iter(keys.values()), None) if keys else None

@@ -151,7 +151,7 @@ def test_unknown_host_key_is_refused_with_how_to_trust(lab: LoopbackSshd, env: d
                      "--limit", "bashhost/300", state=env["state"])
     assert proc.returncode == 3
     assert f"host key of [127.0.0.1]:{lab.port} is not in {empty}" in proc.stdout
-    assert "SHA256:" in proc.stdout and "ssh-keyscan" in proc.stdout
+    assert "SHA256:" in proc.stdout and "fleetcuda trust -i INVENTORY HOST --fingerprint SHA256:" in proc.stdout
     assert empty.read_text() == ""  # nothing was added
     assert not (env["root"] / "ct300").exists()
 
@@ -234,3 +234,26 @@ def test_local_host_runs_through_local_shell(tmp_path: Path) -> None:
     assert drift.returncode == 1
     assert "write-greeting: drift" in drift.stdout
     assert (root / "ct" / "greeting").read_text() == "tampered"  # verify is read-only
+
+
+def test_trust_records_a_key_only_after_showing_it(lab: LoopbackSshd, env: dict[str, Path], tmp_path: Path) -> None:
+    kh = tmp_path / "kh" / "known_hosts"
+    inv = write_inventory(lab, tmp_path / "inv5.yaml", known_hosts=kh)
+    real = subprocess.run(["ssh-keygen", "-lf", str(lab.workdir / "ssh_host_ed25519_key.pub")], capture_output=True,
+                          text=True, check=True).stdout.split()[1]
+    # Without a terminal and without a fingerprint to compare, nothing is recorded.
+    proc = fleetcuda("trust", "bashhost", "-i", str(inv), state=env["state"])
+    assert proc.returncode == 2 and "pass --fingerprint" in proc.stderr
+    assert real in proc.stdout
+    assert not kh.exists()
+    wrong = fleetcuda("trust", "bashhost", "-i", str(inv), "--fingerprint", "SHA256:AAAA", state=env["state"])
+    assert wrong.returncode == 3 and "fingerprint mismatch" in wrong.stderr
+    assert not kh.exists()
+    ok = fleetcuda("trust", "bashhost", "-i", str(inv), "--fingerprint", real, state=env["state"])
+    assert ok.returncode == 0, ok.stderr
+    assert kh.stat().st_mode & 0o777 == 0o600
+    assert kh.read_text().startswith(f"[127.0.0.1]:{lab.port} ssh-ed25519 ")
+    again = fleetcuda("trust", "bashhost", "-i", str(inv), state=env["state"])
+    assert again.returncode == 0 and "already trusted" in again.stdout
+    fleetcuda("apply", str(MARKER), "-i", str(inv), "--var", f"root={env['root']}", "--plain",
+              "--limit", "bashhost/300", state=env["state"], check=True)
