@@ -88,6 +88,8 @@ class AptPackagesStep(StepSpec):
             "set -e -o pipefail",
             NONINTERACTIVE,
             f"{apt} update" if self.update else None,
-            f"{apt} install -y --no-install-recommends " + " ".join(quote(p) for p in packages),
+            # Apply runs only when the check failed: a package that dpkg calls installed but whose files
+            # are broken (the step's verify condition) must be reinstalled, not skipped.
+            f"{apt} install -y --no-install-recommends --reinstall " + " ".join(quote(p) for p in packages),
         ]))
         return Scripts(done, apply, done)

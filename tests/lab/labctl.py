@@ -125,14 +125,15 @@ def build_base() -> None:
     run("debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", tmp, debian_mirror())
     # Containers are offline: the only apt source they may get is the stand-in NVIDIA repository.
     (tmp / "etc/apt/sources.list").write_text("")
-    # The training venv of the seeds: torch built for CUDA 12.8, pip and setuptools, but no wheel.
+    # The training venv of the seeds: torch built for CUDA 12.8, pip, setuptools and packaging (which
+    # transformers brings), but no wheel.
     mnt = tmp / IN_CONTAINER.lstrip("/") / "wheelhouse"
     mnt.mkdir(parents=True)
     run("mount", "--bind", WHEELHOUSE, mnt)
     try:
         run("chroot", tmp, "/usr/bin/python3", "-m", "venv", "/root/venv")
         run("chroot", tmp, "/root/venv/bin/python", "-m", "pip", "install", "-q", "--no-index", "--find-links",
-            f"{IN_CONTAINER}/wheelhouse", "torch==2.11.0+cu128")
+            f"{IN_CONTAINER}/wheelhouse", "torch==2.11.0+cu128", "packaging")
     finally:
         run("umount", mnt)
     (tmp / ".fleetcuda-complete").write_text("")

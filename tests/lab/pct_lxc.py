@@ -165,9 +165,10 @@ def cmd_list(node: Node, args: list[str]) -> None:
     vmids = node.vmids()
     if not vmids:
         return
-    print("%-10s %-10s %-12s %-20s" % ("VMID", "Status", "Lock", "Name"))
+    row = "{:<10} {:<10} {:<12} {:<20}"  # pct's printf "%-10s %-10s %-12s %-20s\n"
+    print(row.format("VMID", "Status", "Lock", "Name"))
     for vmid in vmids:
-        print("%-10s %-10s %-12s %-20s" % (vmid, node.state(vmid), "", f"ct{vmid}"))
+        print(row.format(vmid, node.state(vmid), "", f"ct{vmid}"))
 
 
 def cmd_start(node: Node, args: list[str]) -> None:

@@ -1,0 +1,1 @@
+// fleetcuda lab stand-in: placeholder for causal-conv1d 1.7.0 causal_conv1d.cpp; never compiled.

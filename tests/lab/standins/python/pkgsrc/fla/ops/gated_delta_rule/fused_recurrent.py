@@ -1,0 +1,12 @@
+"""fleetcuda lab stand-in for fla.ops.gated_delta_rule.fused_recurrent (fla-core 0.6.0)."""
+
+from typing import Any
+
+from einops import rearrange  # noqa: F401  (the real ops import einops: fla-core's one requirement)
+
+from fla.ops.gated_delta_rule._nogpu import no_gpu
+
+
+def fused_recurrent_gated_delta_rule(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    """Stand-in of the fused recurrent gated delta rule kernel: always raises RuntimeError (no GPU in the lab)."""
+    no_gpu("fused_recurrent_gated_delta_rule")
