@@ -26,8 +26,10 @@ from fleetcuda.planner import (
     Plan,
     PlannedStep,
     base_values,
+    batch_command,
     facts_command,
     make_plan,
+    parse_batch,
     parse_facts,
     pending_facts,
 )
@@ -51,6 +53,8 @@ class StepResult:
     detail: str = ""
     tail: list[str] = field(default_factory=list)
     would_run: str | None = None
+    expected: str = ""  # what the step's check proves when it passes
+    found: str = ""  # the last line the check printed: what it saw
 
 
 @dataclass
@@ -190,24 +194,45 @@ class Engine:
 
     def _steps(self, plan: Plan, result: TargetResult, log: IO[str]) -> None:
         tid = plan.target.id
+        # Every read-only check of the target in one round trip; once a step has changed something,
+        # later checks run on their own again, since their answers may have changed too.
+        batch = self._batch(plan, log)
         for step in plan.steps:
             if self.cancel.is_set():
                 raise Interrupted()
+            pre = batch.get(step.index)
             if step.skipped:
                 sr = StepResult(step.name, "skipped", detail=step.skipped)
             elif self.mode == "verify":
-                sr = self._verify_only(plan.target, step, log)
+                sr = self._verify_only(plan.target, step, log, pre)
             else:
-                sr = self._converge(plan.target, step, log)
+                sr = self._converge(plan.target, step, log, pre)
+            sr.expected = step.expect
             result.steps.append(sr)
             self.reporter.step_finished(tid, sr)
             if sr.status == "failed":
                 raise StepFailed(sr)
+            if sr.status == "changed":
+                batch = {}
 
-    def _converge(self, target: Target, step: PlannedStep, log: IO[str]) -> StepResult:
+    def _batch(self, plan: Plan, log: IO[str]) -> dict[int, RunResult]:
+        verify = self.mode == "verify"
+        probes = [(s.index, p) for s in plan.steps if not s.skipped
+                  for p in [s.verify_probe if verify else s.pre_probe] if p is not None]
+        if len(probes) < 2:
+            return {}
+        cmd = batch_command(plan, probes)
+        res = self._exec(plan.target, "all-steps", "verify" if verify else "check", cmd, log, None)
+        parsed = parse_batch(res.output)
+        if not parsed:
+            self._maybe_unreachable(res, plan.target)
+            return {}
+        return {i: RunResult(r.rc, r.output, r.duration_ms / 1000) for i, r in parsed.items()}
+
+    def _converge(self, target: Target, step: PlannedStep, log: IO[str], pre: RunResult | None) -> StepResult:
         start = time.monotonic()
-        if step.check is not None:
-            res = self._exec(target, step.name, "check", step.check, log, step.timeout)
+        if step.check is not None or (pre is not None and step.apply is None):
+            res = pre or self._exec(target, step.name, "check", step.check, log, step.timeout)  # type: ignore[arg-type]
             if res.rc == 0:
                 return StepResult(step.name, "ok", time.monotonic() - start, "already satisfied")
             self._maybe_unreachable(res, target)
@@ -236,15 +261,16 @@ class Engine:
             return self._failed(step, "verify", res, start, "apply ran, but the verification failed")
         return StepResult(step.name, "changed", time.monotonic() - start, "applied and verified")
 
-    def _verify_only(self, target: Target, step: PlannedStep, log: IO[str]) -> StepResult:
+    def _verify_only(self, target: Target, step: PlannedStep, log: IO[str], pre: RunResult | None) -> StepResult:
         start = time.monotonic()
         cmd = step.verify or step.check
         assert cmd is not None
-        res = self._exec(target, step.name, "verify", cmd, log, step.timeout)
+        res = pre or self._exec(target, step.name, "verify", cmd, log, step.timeout)
+        took = res.duration if pre else time.monotonic() - start
         if res.rc == 0:
-            return StepResult(step.name, "ok", time.monotonic() - start, "verified")
+            return StepResult(step.name, "ok", took, "verified", found=_found(res.output))
         self._maybe_unreachable(res, target)
-        return StepResult(step.name, "drift", time.monotonic() - start, "verification failed", _tail(res.output))
+        return StepResult(step.name, "drift", took, "verification failed", _tail(res.output), found=_found(res.output))
 
     def _apply(self, target: Target, step: PlannedStep, log: IO[str]) -> RunResult:
         assert step.apply is not None
@@ -316,6 +342,11 @@ def _overall(mode: Mode, steps: list[StepResult]) -> str:
         if status in statuses:
             return status
     return "ok"
+
+
+def _found(output: str) -> str:
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def _tail(output: str) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleetcuda.command import BuiltCommand, Invocation, build
+from fleetcuda.command import BuiltCommand, Invocation, build, join, target_argv
 from fleetcuda.inventory import Target
 from fleetcuda.recipe import AUTO, Recipe, check_fact_value
 from fleetcuda.steps import StepContext
@@ -30,6 +30,11 @@ class PlannedStep:
     timeout: int = 1800
     retries: int = 0
     retry_delay: float = 5.0
+    expect: str = ""  # what the check proves, in words, for reports
+    # The read-only conditions as they run inside the target, what batches of checks are made of:
+    # before apply (the check; the verify of an assertion step) and for `verify` (verify, else check).
+    pre_probe: Invocation | None = None
+    verify_probe: Invocation | None = None
 
 
 @dataclass
@@ -133,7 +138,56 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         if apply is not None and step.kind == "shell":
             apply = "set -e -o pipefail\n" + apply
         planned.check, planned.apply, planned.verify = cmd(scripts.check), cmd(apply), cmd(scripts.verify)
+        planned.expect = scripts.expect or step.description or "exit 0"
+        pre = scripts.check if scripts.check is not None else (scripts.verify if apply is None else None)
+        post = scripts.verify if scripts.verify is not None else scripts.check
+        planned.pre_probe = Invocation(pre, full_env, timeout=step.timeout) if pre is not None else None
+        planned.verify_probe = Invocation(post, full_env, timeout=step.timeout) if post is not None else None
     return plan
+
+
+BATCH_MARK = "@@fleetcuda-batch"
+
+
+def batch_command(plan: Plan, probes: list[tuple[int, Invocation]]) -> BuiltCommand:
+    """One round trip for many read-only checks: each runs exactly as on its own (same env -i argv,
+    same timeout), framed by markers so the results come back per step, not scraped from a mix."""
+    lines = ["set +e", "now() { date +%s%3N; }"]
+    for index, probe in probes:
+        lines.append(f"echo {BATCH_MARK} begin {index}; t=$(now)")
+        lines.append(f"{join(target_argv(probe))} </dev/null 2>&1; rc=$?")
+        lines.append(f'echo; echo {BATCH_MARK} end {index} "$rc" "$(( $(now) - t ))"')
+    total = sum(p.timeout or 0 for _, p in probes) + 60
+    return build(plan.target.chain, Invocation("\n".join(lines), {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+                                               timeout=total))
+
+
+@dataclass
+class BatchResult:
+    rc: int
+    output: str
+    duration_ms: int
+
+
+def parse_batch(output: str) -> dict[int, BatchResult]:
+    results: dict[int, BatchResult] = {}
+    current: int | None = None
+    buf: list[str] = []
+    for line in output.split("\n"):
+        if line.startswith(BATCH_MARK + " "):
+            parts = line.split()
+            if parts[1] == "begin" and len(parts) == 3 and parts[2].isdigit():
+                current, buf = int(parts[2]), []
+                continue
+            if parts[1] == "end" and len(parts) == 5 and current is not None and parts[2] == str(current):
+                text = "\n".join(buf)
+                results[current] = BatchResult(int(parts[3]), text[:-1] if text.endswith("\n") else text,
+                                               int(parts[4]) if parts[4].isdigit() else 0)
+                current = None
+                continue
+        if current is not None:
+            buf.append(line)
+    return results
 
 
 def _render(recipe: Recipe, loc: tuple, text: str, values: dict[str, str], *, shell: bool) -> str:

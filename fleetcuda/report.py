@@ -136,6 +136,8 @@ def summary(results: list[TargetResult], console: Console) -> None:
             if s.status in ("failed", "drift"):
                 console.print(f"[bold red]{r.target}[/]: step [bold]{s.name}[/] {s.status}: {s.detail}",
                               highlight=False)
+                if s.expected:
+                    console.print(f"    expected: {s.expected}", markup=False, highlight=False)
                 for line in s.tail:
                     console.print(f"    {line}", markup=False, highlight=False)
             elif s.status == "would-change" and s.would_run:

@@ -67,7 +67,7 @@ class AptKeyringStep(StepSpec):
             f"{APT.format(lock=self.lock_timeout)} install -y \"$tmp/keyring.deb\"",
             f"{APT.format(lock=self.lock_timeout)} update",
         ])
-        return Scripts(done, apply, done)
+        return Scripts(done, apply, done, expect=f"{self.package} installed, {ctx.raw(self.keyring)} present")
 
 
 class AptPackagesStep(StepSpec):
@@ -92,4 +92,4 @@ class AptPackagesStep(StepSpec):
             # are broken (the step's verify condition) must be reinstalled, not skipped.
             f"{apt} install -y --no-install-recommends --reinstall " + " ".join(quote(p) for p in packages),
         ]))
-        return Scripts(done, apply, done)
+        return Scripts(done, apply, done, expect="installed: " + ", ".join(packages))

@@ -53,6 +53,7 @@ class Scripts:
     # Variables later steps see (and PATH entries they get first).
     exports: dict[str, str] = field(default_factory=dict)
     path_prepend: list[str] = field(default_factory=list)
+    expect: str = ""  # what the check proves, in words
 
 
 def all_of(*conditions: str | None) -> str | None:

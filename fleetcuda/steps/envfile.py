@@ -37,4 +37,6 @@ class EnvFileStep(StepSpec):
             'chmod 0644 "$tmp"',
             'mv -f -- "$tmp" "$target"',
         ])
-        return Scripts(done, apply, done, exports=exports, path_prepend=prepend)
+        expect = f"{path} exports " + ", ".join([*(f"{k}={v}" for k, v in exports.items()),
+                                                 *(f"PATH+={p}" for p in prepend)])
+        return Scripts(done, apply, done, exports=exports, path_prepend=prepend, expect=expect)

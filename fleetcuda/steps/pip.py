@@ -122,4 +122,5 @@ class PipInstallStep(StepSpec):
             *("  " + c for c in pip_cmds),
             "fi",
         ])
-        return Scripts(done, apply, done)
+        expect = ", ".join(wanted) + "".join(f"; import {m}" for m in self.imports)
+        return Scripts(done, apply, done, expect=expect)
