@@ -260,3 +260,27 @@ def test_unknown_or_changed_host_key_is_refused(state: Path, tmp_path: Path) -> 
 def test_limit_selects_exactly(state: Path, limit: str, expected: list[str]) -> None:
     out = run_fleetcuda("apply", GDN, "-i", INV, "--dry-run", "--limit", limit, state=state, check=True)
     assert re.findall(r"^# target (\S+)", out.stdout, re.M) == expected
+
+
+def test_build_only_for_the_gpus_asked_for(converged: subprocess.CompletedProcess[str], state: Path) -> None:
+    target = "lab-b/301"
+    archs = "/root/venv/bin/python -c 'from causal_conv1d import _build_info as b; print(b.ARCHS)'"
+    assert ct(target, archs).stdout.strip() == "['sm_75', 'sm_80', 'sm_87', 'sm_90', 'sm_100', 'sm_120']"
+
+    ct(target, "/root/venv/bin/pip uninstall -y -q causal-conv1d")
+    out = run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, "--var", "cuda_archs=90",
+                        "--show-output", state=state)
+    assert out.returncode == 0, out.stdout
+    assert "fleetcuda: restricted the build to sm_90 (setup.py offers sm_100, sm_103, sm_110, sm_120" in out.stdout
+    assert ct(target, archs).stdout.strip() == "['sm_90']"
+
+    ct(target, "/root/venv/bin/pip uninstall -y -q causal-conv1d")
+    auto = run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, "--var", "cuda_archs=auto",
+                         state=state)
+    assert auto.returncode == 1
+    assert "cuda_archs=auto, but no GPU is visible here" in auto.stdout
+    absent = run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, "--var", "cuda_archs=89",
+                           state=state)
+    assert absent.returncode == 1
+    assert "setup.py does not build for sm_89" in absent.stdout
+    assert run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, state=state).returncode == 0

@@ -4,6 +4,7 @@ from fleetcuda.steps.apt import AptKeyringStep, AptPackagesStep
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec
 from fleetcuda.steps.envfile import EnvFileStep
 from fleetcuda.steps.pip import PipInstallStep
+from fleetcuda.steps.sdist import SdistBuildStep
 from fleetcuda.steps.shell import ShellStep
 
 KINDS: dict[str, type[StepSpec]] = {
@@ -12,6 +13,7 @@ KINDS: dict[str, type[StepSpec]] = {
     "apt_packages": AptPackagesStep,
     "env_file": EnvFileStep,
     "pip_install": PipInstallStep,
+    "sdist_build": SdistBuildStep,
 }
 
 __all__ = ["KINDS", "Scripts", "StepContext", "StepSpec"]

@@ -44,8 +44,13 @@ for mod in modules:
 sys.exit(bad)"""
 
 
-def _truthy(value: str) -> bool:
+def truthy(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off", "none")
+
+
+def check_script(python: str, wanted: list[str], imports: list[str]) -> str:
+    """Exit 0 when every `name` / `name==version` is installed (local +tag ignored) and imports."""
+    return f"{quote(python)} -c {quote(_CHECK)} {quote(' '.join(wanted))} {quote(' '.join(imports))}"
 
 
 class PipInstallStep(StepSpec):
@@ -76,8 +81,7 @@ class PipInstallStep(StepSpec):
         # Only exact pins are compared; other specifiers just need the package present.
         wanted = [n + ("==" + m.group("version") if m.group("op") == "==" else "")
                   for n, m in zip(names, (REQUIREMENT.match(s) for s in specs), strict=True)]
-        check = f"{quote(python)} -c {quote(_CHECK)} {quote(' '.join(wanted))} {quote(' '.join(self.imports))}"
-        done = all_of(check, ctx.shell(self.verify) if self.verify else None)
+        done = all_of(check_script(python, wanted, self.imports), ctx.shell(self.verify) if self.verify else None)
 
         uv = ctx.raw(self.uv) if self.uv else ctx.values.get("uv", "")
         common_uv, common_pip = [], []
@@ -92,7 +96,7 @@ class PipInstallStep(StepSpec):
                     common_uv += [uv_flag, value]
                     common_pip += [pip_flag, value]
         for flag, uv_flag, pip_flag in [
-            (_truthy(ctx.raw(self.no_index)) if isinstance(self.no_index, str) else self.no_index,
+            (truthy(ctx.raw(self.no_index)) if isinstance(self.no_index, str) else self.no_index,
              "--no-index", "--no-index"),
             (self.no_build_isolation, "--no-build-isolation", "--no-build-isolation"),
             (self.no_cache, "--no-cache", "--no-cache-dir"),

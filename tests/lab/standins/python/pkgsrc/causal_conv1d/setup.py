@@ -211,7 +211,9 @@ class StandinBuildExt(BuildExtension):
         self.standin_compile_seconds = float(os.environ.get("CAUSAL_CONV1D_STANDIN_SECONDS", "4"))
         super().build_extensions()
         release = re.search(r"release (\d+\.\d+), (V[\d.]+)", get_cuda_bare_metal_version(CUDA_HOME)[0])
-        archs = [flag.split("code=")[-1] for flag in cc_flag if flag.startswith("arch=")]
+        # What the compile really gets: the extension's nvcc flags (an arch restriction edits those).
+        nvcc_flags = self.extensions[0].extra_compile_args["nvcc"] if self.extensions else cc_flag
+        archs = [flag.split("code=")[-1] for flag in nvcc_flags if flag.startswith("arch=")]
         so_name = os.path.basename(self.get_ext_fullpath("causal_conv1d_cuda"))
         info = (
             '"""Written by the fleetcuda lab stand-in of causal-conv1d at build time: what it was built against."""\n'

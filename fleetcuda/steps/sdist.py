@@ -1,0 +1,160 @@
+"""`kind: sdist_build`: build a compiled extension from its sdist against the target's own torch.
+
+Like pip_install with --no-build-isolation and no cache, plus what only a source build allows:
+restricting the GPU architectures. causal-conv1d's setup.py hard-codes them per nvcc release
+(nine with CUDA 13: over ten minutes on 16 cores) and ignores TORCH_CUDA_ARCH_LIST, so the only
+way is to edit the unpacked setup.py. The edit filters the extension's nvcc `-gencode` pairs just
+before `setup(` is called and refuses loudly if the file no longer looks as expected.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from fleetcuda.command import quote
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
+from fleetcuda.steps.pip import MODULE, check_script, truthy
+
+PACKAGE = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
+VERSION = r"^[A-Za-z0-9.+!_-]+$"
+ARCHS = re.compile(r"^(upstream|auto|\d{2,3}a?(,\d{2,3}a?)*)$")
+
+# Runs on the target with the unpacked setup.py and the wanted archs ("90,120").
+PATCH_ARCHS = r'''import re, sys
+path, keep = sys.argv[1], sorted(set(sys.argv[2].split(",")))
+text = open(path, encoding="utf-8").read()
+offered = sorted(set(re.findall(r"arch=compute_(\d+a?),code=sm_\1", text)))
+if not offered:
+    sys.exit("fleetcuda: setup.py names no 'arch=compute_XX,code=sm_XX' flags: its layout changed; not editing it")
+missing = [a for a in keep if a not in offered]
+if missing:
+    sys.exit(f"fleetcuda: setup.py does not build for sm_{', sm_'.join(missing)}; it offers sm_{', sm_'.join(offered)}")
+anchors = [m.start() for m in re.finditer(r"^setup\(", text, re.M)]
+if len(anchors) != 1 or "ext_modules" not in text[:anchors[0]]:
+    sys.exit("fleetcuda: setup.py's layout changed (expected ext_modules, then one top-level setup( call)")
+block = f"""
+# --- inserted by fleetcuda: build only for this target's GPU architectures ---
+def _fleetcuda_keep_archs(args, keep={keep!r}):
+    out, i, kept = [], 0, 0
+    while i < len(args):
+        if args[i] == "-gencode" and i + 1 < len(args):
+            if args[i + 1].rsplit("code=sm_", 1)[-1] in keep:
+                out += args[i:i + 2]
+                kept += 1
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    if not kept:
+        raise SystemExit("fleetcuda: no -gencode flags left for " + ", ".join(keep))
+    return out
+_fleetcuda_edited = 0
+for _fleetcuda_ext in ext_modules:
+    _fleetcuda_args = getattr(_fleetcuda_ext, "extra_compile_args", None)
+    if isinstance(_fleetcuda_args, dict) and "nvcc" in _fleetcuda_args:
+        _fleetcuda_args["nvcc"] = _fleetcuda_keep_archs(list(_fleetcuda_args["nvcc"]))
+        _fleetcuda_edited += 1
+if ext_modules and not _fleetcuda_edited:
+    raise SystemExit("fleetcuda: no extension with nvcc flags to restrict: setup.py's layout changed")
+# --- end of fleetcuda's insertion ---
+
+"""
+open(path, "w", encoding="utf-8").write(text[:anchors[0]] + block + text[anchors[0]:])
+print(f"fleetcuda: restricted the build to sm_{', sm_'.join(keep)} (setup.py offers sm_{', sm_'.join(offered)})")
+'''
+
+# The GPUs' compute capabilities, as nvcc spells them: 9.0 -> 90.
+DETECT_ARCHS = r'''detect_archs() {
+  local caps=""
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d ' .' | sort -u | paste -sd, -)
+  fi
+  if [ -z "$caps" ]; then
+    caps=$("$PYTHON" -c 'import torch
+caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+print(",".join(sorted(f"{a}{b}" for a, b in caps)))' 2>/dev/null || true)
+  fi
+  printf '%s' "$caps"
+}'''
+
+
+class SdistBuildStep(StepSpec):
+    kind: Literal["sdist_build"]
+    package: Annotated[str, StringConstraints(pattern=PACKAGE)]
+    version: str
+    imports: list[Annotated[str, StringConstraints(pattern=MODULE)]] = Field(default_factory=list)
+    python: str | None = Field(default=None, description="default: the target's venv python")
+    uv: str | None = Field(default=None, description="uv binary to prefer (default: the `uv` variable)")
+    index_url: str | None = None
+    find_links: str | None = Field(default=None, description="a wheelhouse directory holding the sdist")
+    no_index: bool | str = False
+    cuda_archs: str = Field(default="upstream", description="upstream, auto (the GPUs present) or a list: 90,120")
+    verify: str | None = Field(default=None, description="extra condition for check and verify")
+
+    def scripts(self, ctx: StepContext) -> Scripts:
+        version = ctx.raw(self.version)
+        if not re.match(VERSION, version):
+            raise ValueError(f"{version!r} is not a version")
+        archs = ctx.raw(self.cuda_archs).replace(" ", "")
+        if not ARCHS.match(archs):
+            raise ValueError(f"cuda_archs {archs!r}: expected upstream, auto, or a list like 90,120")
+        python = ctx.raw(self.python) if self.python else ctx.python
+        uv = ctx.raw(self.uv) if self.uv else ctx.values.get("uv", "")
+        spec = f"{self.package}=={version}"
+        done = all_of(check_script(python, [spec], self.imports), ctx.shell(self.verify) if self.verify else None)
+
+        find_links = ctx.raw(self.find_links) if self.find_links else ""
+        index_url = ctx.raw(self.index_url) if self.index_url else ""
+        no_index = truthy(ctx.raw(self.no_index)) if isinstance(self.no_index, str) else self.no_index
+        download = [python, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--no-deps",
+                    "--no-binary", ":all:", "--no-build-isolation", "-d", '"$work/dl"']
+        if index_url:
+            download += ["--index-url", index_url]
+        if find_links:
+            download += ["--find-links", find_links]
+        if no_index:
+            download.append("--no-index")
+        stem = self.package.replace("-", "_")
+        lines = [
+            "set -e -o pipefail",
+            f"PYTHON={quote(python)}",
+            f"uv={quote(uv)}",
+            f"archs={quote(archs)}",
+            'work=$(mktemp -d /tmp/fleetcuda-build.XXXXXX); trap \'rm -rf "$work"\' EXIT',
+            'mkdir "$work/dl" "$work/src"',
+            # The sdist straight from the wheelhouse when it is there; pip download otherwise (which
+            # runs setup.py once for metadata: the step's environment must already be complete).
+            "sdist=",
+            *([f"for f in {quote(find_links)}/{stem}-{version}.tar.gz {quote(find_links)}/{self.package}-{version}"
+               '.tar.gz; do [ -f "$f" ] && sdist=$f && break; done'] if find_links else []),
+            'if [ -z "$sdist" ]; then',
+            "  " + " ".join(a if a.startswith('"') else quote(a) for a in download) + " " + quote(spec),
+            '  sdist=$(ls "$work"/dl/*.tar.gz | head -n 1)',
+            "fi",
+            'echo "fleetcuda: building $(basename "$sdist")"',
+            'tar -xzf "$sdist" -C "$work/src"',
+            'src=$(find "$work/src" -mindepth 1 -maxdepth 1 -type d | head -n 1)',
+            DETECT_ARCHS,
+            'if [ "$archs" = auto ]; then',
+            "  archs=$(detect_archs)",
+            '  [ -n "$archs" ] || { echo "fleetcuda: cuda_archs=auto, but no GPU is visible here;'
+            ' set cuda_archs to a list such as 90 or to upstream" >&2; exit 1; }',
+            "fi",
+            'if [ "$archs" != upstream ]; then',
+            f'  "$PYTHON" -c {quote(PATCH_ARCHS)} "$src/setup.py" "$archs"',
+            "fi",
+            # No build cache and no isolation: built against this venv's torch, never a stale wheel.
+            'if [ -n "$uv" ] && [ -x "$uv" ]; then',
+            f'  "$uv" pip install --python "$PYTHON" --no-build-isolation --no-cache --no-deps --reinstall-package '
+            f'{quote(self.package)} "$src"',
+            "else",
+            '  "$PYTHON" -m pip install --disable-pip-version-check --no-input --no-build-isolation --no-cache-dir '
+            '--no-deps --force-reinstall "$src"',
+            "fi",
+        ]
+        expect = spec + "".join(f"; import {m}" for m in self.imports) + (
+            "" if archs == "upstream" else f"; built for sm_{archs}")
+        return Scripts(done, "\n".join(lines), done, expect=expect)
