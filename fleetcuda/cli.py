@@ -17,7 +17,7 @@ from rich.console import Console
 
 from fleetcuda import __version__
 from fleetcuda.engine import Engine, exit_code, make_run_dir
-from fleetcuda.errors import InputError
+from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
 from fleetcuda.inventory import Inventory, Target, load_inventory
 from fleetcuda.planner import base_values, make_plan, pending_facts
 from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
@@ -33,6 +33,7 @@ from fleetcuda.transport import (
     known_key,
     record_host_key,
 )
+from fleetcuda.wheelhouse import DEFAULT_DEST, files_of, plan_download, push, run_download, sha256
 
 DEFAULT_INVENTORY = "inventories/example.yaml"
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -71,6 +72,22 @@ def _parser() -> argparse.ArgumentParser:
     vp = sub.add_parser("verify", help="run only checks and verifications (read-only); report drift")
     common(vp)
 
+    wp = sub.add_parser("wheelhouse", help="stage wheels and sdists for offline targets, and put them there")
+    wsub = wp.add_subparsers(dest="wheelhouse_command", required=True, parser_class=_Parser)
+    wb = wsub.add_parser("build", help="pip download the recipe's `wheelhouse:` packages into DIR")
+    wb.add_argument("recipe")
+    wb.add_argument("dir")
+    wb.add_argument("--var", action="append", default=[], metavar="K=V")
+    wb.add_argument("--python", default=sys.executable, help="interpreter that runs pip (needs torch for sdists)")
+    wb.add_argument("--python-version", help="the targets' Python, e.g. 3.12 (default: this one's)")
+    wb.add_argument("--platform", action="append", default=[], help="e.g. manylinux_2_28_x86_64 (repeatable)")
+    wb.add_argument("--pip-arg", action="append", default=[], help="extra pip argument (repeatable)")
+    wpush = wsub.add_parser("push", help="copy DIR's wheels and sdists onto the targets")
+    wpush.add_argument("dir")
+    wpush.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
+    wpush.add_argument("--limit")
+    wpush.add_argument("--dest", default=DEFAULT_DEST, help=f"directory on the targets (default {DEFAULT_DEST})")
+
     tp = sub.add_parser("trust", help="show a host's SSH key and record it in the inventory's known_hosts")
     tp.add_argument("host", help="a host name of the inventory")
     tp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
@@ -80,9 +97,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `fleetcuda ... --dry-run | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "trust":
         return trust(args)
+    if args.command == "wheelhouse":
+        return wheelhouse(args)
     try:
         if args.forks < 1:
             raise InputError("--forks", None, "", "must be at least 1")
@@ -145,6 +172,45 @@ def trust(args: argparse.Namespace) -> int:
     path = record_host_key(hop, key)
     print(f"recorded in {path}")
     return EXIT_OK
+
+
+def wheelhouse(args: argparse.Namespace) -> int:
+    try:
+        if args.wheelhouse_command == "build":
+            recipe = load_recipe(args.recipe)
+            values = {**recipe.defaults, **parse_var_overrides(args.var)}
+            dest = Path(args.dir)
+            dest.mkdir(parents=True, exist_ok=True)
+            plan = plan_download(recipe, values, dest, python=args.python, python_version=args.python_version,
+                                 platforms=args.platform, pip_args=args.pip_arg)
+            run_download(plan, print)
+            for f in files_of(dest):
+                print(f"{sha256(f)}  {f.name}")
+            return EXIT_OK
+        inventory = load_inventory(args.inventory)
+        targets = inventory.select(args.limit)
+        files = files_of(Path(args.dir))
+    except InputError as exc:
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except FleetcudaError as exc:
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    pool = TransportPool(_transport_factory(inventory))
+    code = EXIT_OK
+    try:
+        for t in targets:
+            try:
+                push(t, pool.get(t.host), files, args.dest, print)
+            except (UnreachableError, HostKeyError) as exc:
+                print(f"fleetcuda: {t.id}: {exc}", file=sys.stderr)
+                code = max(code, EXIT_UNREACHABLE) if code != EXIT_FAILED else code
+            except FleetcudaError as exc:
+                print(f"fleetcuda: {exc}", file=sys.stderr)
+                code = EXIT_FAILED
+    finally:
+        pool.close()
+    return code
 
 
 def _home(target: Target) -> str | None:

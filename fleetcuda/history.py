@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import random
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -135,11 +137,28 @@ def _connect(path: str | os.PathLike[str], create: bool) -> Iterator[sqlite3.Con
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         conn.execute("PRAGMA foreign_keys = ON")
         if create:
-            # WAL: readers never block the writer; the mode is stored in the file, so this is once.
-            conn.execute("PRAGMA journal_mode = WAL")
+            _use_wal(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
             _migrate(conn)
         yield conn
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """WAL: readers never block the writer. The mode is stored in the file, so it is switched once."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            # The switch needs an exclusive lock, and SQLite answers "locked" at once, without waiting for
+            # busy_timeout, while another process is opening the same new database: wait and retry here.
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 0.25)
 
 
 def _check_version(conn: sqlite3.Connection) -> int:

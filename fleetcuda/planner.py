@@ -5,12 +5,12 @@ Dry-run prints exactly these commands; apply, --check and verify send exactly th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from fleetcuda.command import BuiltCommand, Invocation, build, join, target_argv
+from fleetcuda.command import BuiltCommand, Invocation, build, join, quote, target_argv
 from fleetcuda.inventory import Target
 from fleetcuda.recipe import AUTO, Recipe, check_fact_value
-from fleetcuda.steps import StepContext
+from fleetcuda.steps import Scripts, StepContext
 from fleetcuda.templating import TemplateError, render
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -84,7 +84,8 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
     parts = []
     for name in names:
         body = _render(recipe, ("facts", name), recipe.facts[name], values, shell=True)
-        parts.append(f"echo {FACT_MARK} {name}\n( {body}\n) 2>&1 | tail -n 1\necho {FACT_MARK} end $?")
+        # stderr stays out of the value: a library's warning must not become a version number.
+        parts.append(f"echo {FACT_MARK} {name}\n( {body}\n) 2>/dev/null | tail -n 1\necho {FACT_MARK} end $?")
     return build(target.chain, Invocation("\n".join(parts), base_env(target, home), timeout=120))
 
 
@@ -123,6 +124,9 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
             raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
         step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values, shell=False)
                     for k, v in step.env.items()}
+        if step.satisfied_if:
+            scripts = _or_satisfied(scripts, _render(recipe, recipe.step_loc(i, "satisfied_if"), step.satisfied_if,
+                                                     values, shell=True))
         exports.update(scripts.exports)
         prepend = scripts.path_prepend + [p for p in prepend if p not in scripts.path_prepend]
         full_env = {**env, **exports, **step_env}
@@ -188,6 +192,17 @@ def parse_batch(output: str) -> dict[int, BatchResult]:
         if current is not None:
             buf.append(line)
     return results
+
+
+def _or_satisfied(scripts: Scripts, condition: str) -> Scripts:
+    """The step holds if `condition` does, whatever its own check says; said in the output."""
+    guard = (f"if {{\n{condition.strip()}\n}} >/dev/null 2>&1; then\n"
+             f"  echo {quote('satisfied_if holds: ' + ' '.join(condition.split())[:200])}\n  exit 0\nfi\n")
+
+    def wrap(script: str | None) -> str | None:
+        return guard + script if script is not None else None
+
+    return replace(scripts, check=wrap(scripts.check), verify=wrap(scripts.verify))
 
 
 def _render(recipe: Recipe, loc: tuple, text: str, values: dict[str, str], *, shell: bool) -> str:

@@ -24,6 +24,14 @@ BUILTIN_VARS = ("target", "host", "vmid", "container", "venv", "python")
 VarName = Annotated[str, StringConstraints(pattern=VAR_NAME)]
 
 
+class WheelhouseSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    wheels: list[Annotated[str, StringConstraints(min_length=1)]] = Field(default_factory=list)
+    sdists: list[Annotated[str, StringConstraints(min_length=1)]] = Field(default_factory=list)
+    sdist_env: dict[VarName, str] = Field(default_factory=dict)
+
+
 class RecipeHead(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -33,6 +41,7 @@ class RecipeHead(BaseModel):
     facts: dict[VarName, Annotated[str, StringConstraints(min_length=1)]] = Field(
         default_factory=dict, description="read-only shell that prints a var's value when it is `auto`")
     env: dict[VarName, str | int | bool] = Field(default_factory=dict, description="environment of every step")
+    wheelhouse: WheelhouseSpec | None = Field(default=None, description="what `fleetcuda wheelhouse build` stages")
     steps: list[Any] = Field(min_length=1)
 
 
@@ -46,6 +55,7 @@ class Recipe:
     env: dict[str, str]
     steps: list[StepSpec]
     source: SourceDoc
+    wheelhouse: WheelhouseSpec | None = None
 
     def step_loc(self, index: int, field: str | None = None) -> tuple:
         return ("steps", index) + ((field,) if field else ())
@@ -84,6 +94,7 @@ def load_recipe(path: str | Path) -> Recipe:
         env={k: var_to_str(v) for k, v in head.env.items()},
         steps=steps,
         source=doc,
+        wheelhouse=head.wheelhouse,
     )
     _check_references(recipe)
     return recipe
@@ -109,6 +120,7 @@ def _check_references(recipe: Recipe) -> None:
     walk(doc.data.get("steps"), ("steps",))
     walk(doc.data.get("facts"), ("facts",))
     walk(doc.data.get("env"), ("env",))
+    walk(doc.data.get("wheelhouse"), ("wheelhouse",))
 
 
 def parse_var_overrides(items: list[str]) -> dict[str, str]:

@@ -53,7 +53,7 @@ def check_name(name: str) -> str:
 
 def check_cron_at(at: str) -> str:
     """Five cron fields (minute hour day-of-month month day-of-week) of [A-Za-z0-9*/,-]; returns them normalized."""
-    fields = at.split()
+    fields = at.split() if not any(c in at for c in "\n\r\v\f") else []
     if len(fields) != 5 or not all(_CRON_FIELD.fullmatch(f) for f in fields):
         raise ValueError(f"schedule {at!r}: expected 5 cron fields (minute hour day month weekday) made of "
                          "letters, digits and * / , - only, e.g. '0 3 * * *'")
@@ -63,7 +63,7 @@ def check_cron_at(at: str) -> str:
 def check_on_calendar(on_calendar: str) -> str:
     """A systemd OnCalendar= value of safe characters (letters, digits, space and * : / , . ~ + _ -)."""
     value = " ".join(on_calendar.split())
-    if not value or len(value) > 200 or not _ON_CALENDAR.fullmatch(value):
+    if not value or any(c in on_calendar for c in "\n\r\v\f") or len(value) > 200 or not _ON_CALENDAR.fullmatch(value):
         raise ValueError(f"OnCalendar {on_calendar!r}: use a systemd calendar expression such as "
                          "'*-*-* 03:00:00' or 'Mon..Fri 02:30' (letters, digits, space and * : / , . ~ + _ - only)")
     return value

@@ -271,6 +271,18 @@ class SshTransport(Transport):
             raise UnreachableError(f"{self.hop.address}: the command ended without an exit status")
         return RunResult(rc, output, time.monotonic() - start)
 
+    def put(self, local: Path, remote: str) -> None:
+        """Copy a file to the host over this connection's SFTP subsystem, created 0600."""
+        transport = self._open()
+        with self._slots:
+            sftp = paramiko.SFTPClient.from_transport(transport)
+            assert sftp is not None
+            try:
+                sftp.put(str(local), remote)
+                sftp.chmod(remote, 0o600)
+            finally:
+                sftp.close()
+
     def abort(self) -> None:
         for chan in list(self._channels):
             chan.close()

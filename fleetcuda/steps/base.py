@@ -28,6 +28,9 @@ class StepSpec(BaseModel):
     timeout: int = Field(default=1800, ge=1, le=24 * 3600, description="seconds, per command")
     retries: int = Field(default=0, ge=0, le=10, description="extra tries of apply, for retryable steps")
     retry_delay: float = Field(default=5.0, ge=0, le=600, description="first backoff, doubled each try")
+    satisfied_if: str | None = Field(
+        default=None, description="shell condition that, when it holds, satisfies the step whatever its check says "
+                                  "(e.g. a CUDA toolchain installed some other way)")
 
 
 @dataclass

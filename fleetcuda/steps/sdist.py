@@ -155,6 +155,6 @@ class SdistBuildStep(StepSpec):
             '--no-deps --force-reinstall "$src"',
             "fi",
         ]
-        expect = spec + "".join(f"; import {m}" for m in self.imports) + (
-            "" if archs == "upstream" else f"; built for sm_{archs}")
+        built_for = {"upstream": "", "auto": "; built for the GPUs present"}.get(archs, f"; built for sm_{archs}")
+        expect = spec + "".join(f"; import {m}" for m in self.imports) + built_for
         return Scripts(done, "\n".join(lines), done, expect=expect)
