@@ -7,21 +7,37 @@ recipe, arguments); 3 a target unreachable (and none failed); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import shutil
 import signal
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import paramiko
 from rich.console import Console
 
-from fleetcuda import __version__
-from fleetcuda.engine import Engine, exit_code, make_run_dir
+from fleetcuda import __version__, doctor
+from fleetcuda.engine import Engine, exit_code, make_run_dir, state_dir
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
+from fleetcuda.history import changes, default_history_path, recent_runs, record, render_history
 from fleetcuda.inventory import Inventory, Target, load_inventory
 from fleetcuda.planner import base_values, make_plan, pending_facts
 from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
 from fleetcuda.report import PlainReporter, Reporter, RichReporter, summary
+from fleetcuda.reports import RunInfo, render_table, to_json, to_junit, to_prometheus, write_atomically
+from fleetcuda.schedule import (
+    ScheduleError,
+    cron_line,
+    install_cron,
+    install_systemd,
+    remove_cron,
+    remove_systemd,
+    show_cron,
+    show_systemd,
+)
 from fleetcuda.transport import (
     LocalTransport,
     SshTransport,
@@ -71,6 +87,29 @@ def _parser() -> argparse.ArgumentParser:
 
     vp = sub.add_parser("verify", help="run only checks and verifications (read-only); report drift")
     common(vp)
+    vp.add_argument("--format", choices=["table", "json", "junit", "prometheus"], default="table",
+                    help="report format (default: table); progress then goes to stderr")
+    vp.add_argument("--output", help="write the report to this file (atomically) instead of stdout")
+    vp.add_argument("--report", action="append", default=[], metavar="FORMAT=PATH",
+                    help="also write a json, junit or prometheus report to PATH (repeatable)")
+    vp.add_argument("--no-history", action="store_true", help="do not record this run in the history database")
+
+    hp = sub.add_parser("history", help="recent verify runs, and what changed per target since the run before")
+    hp.add_argument("--limit", help="targets: comma-separated globs; !glob excludes")
+    hp.add_argument("--runs", type=int, default=10, help="how many recent runs to list (default 10)")
+    hp.add_argument("--format", choices=["table", "json"], default="table")
+
+    sp = sub.add_parser("schedule", help="install, show or remove the nightly `fleetcuda verify` job")
+    sp.add_argument("action", choices=["install", "show", "remove"])
+    sp.add_argument("recipe", nargs="?", help="recipe to verify (for install)")
+    sp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
+    sp.add_argument("--limit")
+    sp.add_argument("--name", default="nightly", help="job name, so several can coexist (default nightly)")
+    sp.add_argument("--at", default="0 3 * * *", help="cron schedule (default: 03:00 every night)")
+    sp.add_argument("--on-calendar", default="*-*-* 03:00:00", help="systemd OnCalendar (with --systemd)")
+    sp.add_argument("--systemd", action="store_true", help="a systemd timer instead of a cron entry")
+    sp.add_argument("--unit-dir", default="/etc/systemd/system")
+    sp.add_argument("--reports-dir", help="where reports and the log go (default: the state directory)")
 
     wp = sub.add_parser("wheelhouse", help="stage wheels and sdists for offline targets, and put them there")
     wsub = wp.add_subparsers(dest="wheelhouse_command", required=True, parser_class=_Parser)
@@ -87,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
     wpush.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
     wpush.add_argument("--limit")
     wpush.add_argument("--dest", default=DEFAULT_DEST, help=f"directory on the targets (default {DEFAULT_DEST})")
+
+    dp = sub.add_parser("doctor", help="per target: nvcc, torch, GPU, causal_conv1d, fla, transformers' fast path")
+    dp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
+    dp.add_argument("--limit")
+    dp.add_argument("--format", choices=["table", "json"], default="table")
 
     tp = sub.add_parser("trust", help="show a host's SSH key and record it in the inventory's known_hosts")
     tp.add_argument("host", help="a host name of the inventory")
@@ -110,6 +154,12 @@ def _main(argv: list[str] | None = None) -> int:
         return trust(args)
     if args.command == "wheelhouse":
         return wheelhouse(args)
+    if args.command == "doctor":
+        return doctor_command(args)
+    if args.command == "history":
+        return show_history(args)
+    if args.command == "schedule":
+        return schedule_command(args)
     try:
         if args.forks < 1:
             raise InputError("--forks", None, "", "must be at least 1")
@@ -122,11 +172,30 @@ def _main(argv: list[str] | None = None) -> int:
         # Plan every target now, so a recipe that cannot be rendered is bad input before anything runs.
         for t in targets:
             make_plan(recipe, t, base_values(recipe, t, overrides))
+        reports = _report_targets(args) if args.command == "verify" else []
     except InputError as exc:
         print(f"fleetcuda: {exc}", file=sys.stderr)
         return EXIT_INPUT
     mode = "verify" if args.command == "verify" else ("check" if args.check else "apply")
-    return execute(recipe, inventory, targets, overrides, mode, args)
+    return execute(recipe, inventory, targets, overrides, mode, args, reports)
+
+
+REPORTERS = {"json": to_json, "junit": to_junit, "prometheus": to_prometheus}
+
+
+def _report_targets(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(format, path or None for stdout) for each report this verify run writes."""
+    out: list[tuple[str, str | None]] = []
+    if args.format != "table":
+        out.append((args.format, args.output))
+    elif args.output:
+        raise InputError("--output", None, "", "needs --format json, junit or prometheus")
+    for item in args.report:
+        fmt, sep, path = item.partition("=")
+        if not sep or fmt not in REPORTERS or not path:
+            raise InputError("--report", None, item[:60], "expected FORMAT=PATH with FORMAT json, junit or prometheus")
+        out.append((fmt, path))
+    return out
 
 
 def trust(args: argparse.Namespace) -> int:
@@ -258,13 +327,15 @@ def _transport_factory(inventory: Inventory):
 
 
 def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str], mode: str,
-            args: argparse.Namespace) -> int:
-    console = Console()
+            args: argparse.Namespace, reports: list[tuple[str, str | None]]) -> int:
+    # A report on stdout keeps stdout for itself: progress and the summary go to stderr then.
+    to_stdout = any(path is None for _, path in reports)
+    console = Console(stderr=to_stdout)
     reporter: Reporter
     if console.is_terminal and not args.plain:
         reporter = RichReporter(console)
     else:
-        reporter = PlainReporter(show_output=args.show_output)
+        reporter = PlainReporter(stream=sys.stderr if to_stdout else sys.stdout, show_output=args.show_output)
     run_dir = make_run_dir(mode, recipe.name)
     pool = TransportPool(_transport_factory(inventory))
     engine = Engine(recipe, targets, overrides, mode, pool, reporter, run_dir,  # type: ignore[arg-type]
@@ -274,6 +345,7 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    started = datetime.now(UTC)
     reporter.start(mode, recipe.path, [t.id for t in targets])
     try:
         results = engine.run()
@@ -287,9 +359,137 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
     finally:
         signal.signal(signal.SIGTERM, previous)
         reporter.stop()
-    summary(results, console)
-    console.print(f"logs: {run_dir}", markup=False, highlight=False)
-    return exit_code(results)
+    code = exit_code(results)
+    info = RunInfo(mode=mode, recipe_path=recipe.path, recipe_name=recipe.name, inventory_path=inventory.path,
+                   started_at=started, finished_at=datetime.now(UTC), exit_code=code, run_dir=str(run_dir))
+    if mode == "verify" and args.format == "table":
+        render_table(info, results, console)
+    else:
+        summary(results, console)
+    for fmt, path in reports:
+        text = REPORTERS[fmt](info, results)
+        if path is None:
+            sys.stdout.write(text)
+        else:
+            # node_exporter's textfile collector runs as another user: a metrics file must be readable.
+            write_atomically(path, text, mode=0o644 if fmt == "prometheus" else 0o600)
+    if mode != "check" and not getattr(args, "no_history", False):
+        record(default_history_path(), info, results)
+    if not (mode == "verify" and args.format == "table"):  # the table already says where the logs are
+        console.print(f"logs: {run_dir}", markup=False, highlight=False)
+    return code
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    try:
+        inventory = load_inventory(args.inventory)
+        targets = inventory.select(args.limit)
+    except InputError as exc:
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    pool = TransportPool(_transport_factory(inventory))
+    reports: dict[str, dict] = {}
+    code = EXIT_OK
+    try:
+        for t in targets:
+            try:
+                res = pool.get(t.host).run(doctor.command(t, _home(t)), timeout=300, on_line=lambda line: None)
+                reports[t.id] = doctor.parse(res.output)
+            except (UnreachableError, HostKeyError) as exc:
+                reports[t.id] = {"error": str(exc)}
+                code = EXIT_UNREACHABLE
+    finally:
+        pool.close()
+    found = {tid: doctor.findings(r) for tid, r in reports.items()}
+    if any(f.status == "fail" for items in found.values() for f in items) and code == EXIT_OK:
+        code = EXIT_FAILED
+    if args.format == "json":
+        print(json.dumps({tid: {"report": reports[tid], "findings": [dataclasses.asdict(f) for f in items]}
+                          for tid, items in found.items()}, indent=2))
+    else:
+        doctor.render(found, Console())
+    return code
+
+
+def show_history(args: argparse.Namespace) -> int:
+    path = default_history_path()
+    runs = recent_runs(path, limit=args.runs, target_pattern=args.limit)
+    diffs = changes(path, target_pattern=args.limit)
+    if args.format == "json":
+        print(json.dumps({"history": str(path), "runs": [_plain(r) for r in runs],
+                          "changes": [_plain(c) for c in diffs]}, indent=2, default=str))
+        return EXIT_OK
+    console = Console()
+    if not runs:
+        console.print(f"no runs recorded in {path}", markup=False)
+        return EXIT_OK
+    render_history(runs, console, title=f"recent runs ({path})")
+    render_history(diffs, console, title="changes since each target's previous verify")
+    return EXIT_OK
+
+
+def _plain(row: object) -> dict[str, object]:
+    return dataclasses.asdict(row)  # type: ignore[call-overload]
+
+
+def schedule_command(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "show":
+            found = show_systemd(args.name, args.unit_dir) if args.systemd else show_cron(args.name)
+            if not found:
+                print(f"no fleetcuda verify job named {args.name!r} is installed")
+                return EXIT_FAILED
+            if isinstance(found, dict):
+                for path, text in found.items():
+                    print(f"# {path}\n{text}")
+            else:
+                print(found)
+            return EXIT_OK
+        if args.action == "remove":
+            removed = remove_systemd(args.name, args.unit_dir) if args.systemd else remove_cron(args.name)
+            print(f"removed {args.name!r}" if removed else f"no job named {args.name!r} was installed")
+            return EXIT_OK
+        if not args.recipe:
+            raise InputError("schedule install", None, "recipe", "name the recipe to verify")
+        load_recipe(args.recipe)
+        load_inventory(args.inventory)
+        reports = Path(args.reports_dir) if args.reports_dir else state_dir() / "reports"
+        argv = [_fleetcuda_executable(), "verify", str(Path(args.recipe).resolve()), "-i",
+                str(Path(args.inventory).resolve()), "--plain",
+                "--report", f"json={reports / (args.name + '.json')}",
+                "--report", f"prometheus={reports / ('fleetcuda_' + args.name + '.prom')}"]
+        if args.limit:
+            argv += ["--limit", args.limit]
+        reports.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if args.systemd:
+            done = install_systemd(args.name, argv, args.unit_dir, on_calendar=args.on_calendar,
+                                   working_directory=str(Path.cwd()))
+            print(f"{'wrote' if done.changed else 'unchanged'}: {done.service_path}, {done.timer_path}")
+            print(f"activate with: {done.activate_command}")
+        else:
+            line = cron_line(argv, log_path=str(reports / f"{args.name}.log"), at=args.at, name=args.name,
+                             cwd=str(Path.cwd()))
+            changed = install_cron(line, args.name)
+            print(("installed: " if changed else "already installed: ") + line)
+        return EXIT_OK
+    except InputError as exc:
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except ValueError as exc:
+        print(f"fleetcuda: schedule: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except ScheduleError as exc:
+        print(f"fleetcuda: schedule: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _fleetcuda_executable() -> str:
+    """Cron's PATH will not find a virtualenv's fleetcuda: name the one beside this Python, by absolute path."""
+    beside = Path(sys.executable).parent / "fleetcuda"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("fleetcuda")
+    return str(Path(found).resolve()) if found else str(beside)
 
 
 def engine_results_snapshot(engine: Engine, targets: list[Target]) -> list[str]:
