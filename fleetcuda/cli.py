@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import getpass
 import json
 import os
 import shutil
 import signal
+import socket
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,8 +26,9 @@ from fleetcuda.engine import Engine, exit_code, make_run_dir, state_dir
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
 from fleetcuda.history import changes, default_history_path, recent_runs, record, render_history
 from fleetcuda.inventory import Inventory, Target, load_inventory
-from fleetcuda.planner import base_values, make_plan, pending_facts
+from fleetcuda.planner import TargetLock, base_values, make_plan, pending_facts
 from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
+from fleetcuda.redact import for_variables
 from fleetcuda.report import PlainReporter, Reporter, RichReporter, summary
 from fleetcuda.reports import RunInfo, render_table, to_json, to_junit, to_prometheus, write_atomically
 from fleetcuda.schedule import (
@@ -84,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="connect to nothing; print the exact commands")
     mode.add_argument("--check", action="store_true", help="run only the read-only checks; say what would change")
+    ap.add_argument("--lock-wait", type=int, default=0, metavar="SECONDS",
+                    help="wait this long for another apply's lock on a target (default: refuse at once)")
 
     vp = sub.add_parser("verify", help="run only checks and verifications (read-only); report drift")
     common(vp)
@@ -296,6 +301,7 @@ def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
     for t in targets:
         values = base_values(recipe, t, overrides)
         plan = make_plan(recipe, t, values, _home(t))
+        redact = for_variables(values, recipe.env)
         out.write(f"\n# target {t.id}{f' ({t.name})' if t.name else ''}\n")
         for name in pending_facts(recipe, values):
             out.write(f"# {name}=auto is read from the target at run time; commands below show it as 'auto'"
@@ -310,7 +316,7 @@ def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
                                      ("apply", step.apply, "runs only if the check fails"),
                                      ("verify", step.verify, "must pass after apply")):
                 if cmd is not None:
-                    out.write(f"{head}: {phase} ({note})\n{cmd.display}\n")
+                    out.write(f"{head}: {phase} ({note})\n{redact(cmd.display)}\n")
     return EXIT_OK
 
 
@@ -338,8 +344,10 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
         reporter = PlainReporter(stream=sys.stderr if to_stdout else sys.stdout, show_output=args.show_output)
     run_dir = make_run_dir(mode, recipe.name)
     pool = TransportPool(_transport_factory(inventory))
+    owner = f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()} since {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
+    lock = TargetLock(owner, wait_s=getattr(args, "lock_wait", 0)) if mode == "apply" else None
     engine = Engine(recipe, targets, overrides, mode, pool, reporter, run_dir,  # type: ignore[arg-type]
-                    forks=args.forks, home=_home)
+                    forks=args.forks, home=_home, lock=lock)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

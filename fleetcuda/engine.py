@@ -23,17 +23,22 @@ from fleetcuda.command import BuiltCommand
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 from fleetcuda.inventory import Target
 from fleetcuda.planner import (
+    LOCK_MARK,
+    LOCK_TTL_S,
     Plan,
     PlannedStep,
+    TargetLock,
     base_values,
     batch_command,
     facts_command,
+    lock_command,
     make_plan,
     parse_batch,
     parse_facts,
     pending_facts,
 )
 from fleetcuda.recipe import Recipe
+from fleetcuda.redact import Redactor, for_variables
 from fleetcuda.report import Reporter
 from fleetcuda.templating import TemplateError
 from fleetcuda.transport import RunResult, TransportPool
@@ -75,6 +80,10 @@ class Interrupted(Exception):
     pass
 
 
+class TargetLocked(FleetcudaError):
+    pass
+
+
 class StepFailed(Exception):
     def __init__(self, result: StepResult):
         super().__init__(result.detail)
@@ -107,7 +116,7 @@ def _private_file(path: Path) -> IO[str]:
 class Engine:
     def __init__(self, recipe: Recipe, targets: list[Target], overrides: dict[str, str], mode: Mode,
                  pool: TransportPool, reporter: Reporter, run_dir: Path, forks: int = 8,
-                 home: Callable[[Target], str | None] = lambda t: None):
+                 home: Callable[[Target], str | None] = lambda t: None, lock: TargetLock | None = None):
         self.recipe = recipe
         self.targets = targets
         self.overrides = overrides
@@ -118,6 +127,9 @@ class Engine:
         self.forks = max(1, forks)
         self.home = home
         self.cancel = threading.Event()
+        self._redactors: dict[str, Redactor] = {}
+        self.lock = lock if mode == "apply" else None
+        self._held: set[str] = set()  # targets whose apply lock this run holds
 
     # -- whole run -------------------------------------------------------------------------
 
@@ -158,10 +170,14 @@ class Engine:
         self.reporter.target_started(target.id)
         with _private_file(log_path) as log:
             log.write(f"# fleetcuda {self.mode} {self.recipe.path} on {target.id} at {_now()}\n")
+            plan = None
             try:
                 plan = self._plan(target, log)
                 self._steps(plan, result, log)
                 result.status = _overall(self.mode, result.steps)
+            except TargetLocked as exc:
+                result.status = "locked"
+                result.error = str(exc)
             except StepFailed:
                 result.status = "failed"
             except (UnreachableError, HostKeyError) as exc:
@@ -176,12 +192,15 @@ class Engine:
             except TemplateError as exc:
                 result.status = "failed"
                 result.error = str(exc)
+            finally:
+                self._release(target, plan, log)
             result.duration = time.monotonic() - start
             log.write(f"# result: {result.status}{' - ' + result.error if result.error else ''}\n")
         self.reporter.target_finished(result)
 
     def _plan(self, target: Target, log: IO[str]) -> Plan:
         values = base_values(self.recipe, target, self.overrides)
+        self._redactors[target.id] = for_variables(values, self.recipe.env)
         names = pending_facts(self.recipe, values)
         if names:
             cmd = facts_command(self.recipe, target, values, names, self.home(target))
@@ -217,17 +236,48 @@ class Engine:
 
     def _batch(self, plan: Plan, log: IO[str]) -> dict[int, RunResult]:
         verify = self.mode == "verify"
+        lock = self.lock if self.mode == "apply" else None
         probes = [(s.index, p) for s in plan.steps if not s.skipped
                   for p in [s.verify_probe if verify else s.pre_probe] if p is not None]
         if len(probes) < 2:
+            if lock is not None:
+                cmd = lock_command(plan, lock.acquire(plan.target))
+                res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
+                self._lock_state(plan, res)
             return {}
-        cmd = batch_command(plan, probes)
+        cmd = batch_command(plan, probes, lock)
         res = self._exec(plan.target, "all-steps", "verify" if verify else "check", cmd, log, None)
+        if lock is not None:
+            self._lock_state(plan, res)
         parsed = parse_batch(res.output)
         if not parsed:
             self._maybe_unreachable(res, plan.target)
             return {}
         return {i: RunResult(r.rc, r.output, r.duration_ms / 1000) for i, r in parsed.items()}
+
+    def _lock_state(self, plan: Plan, res: RunResult) -> None:
+        for line in res.output.splitlines():
+            if line.startswith(LOCK_MARK + " busy"):
+                where, _, owner = line.removeprefix(LOCK_MARK + " busy ").partition(" ")
+                raise TargetLocked(f"another fleetcuda apply holds {where} on {plan.target.id}: {owner or '?'}"
+                                   f" (wait with --lock-wait SECONDS; a lock older than {LOCK_TTL_S // 3600} h "
+                                   "is taken over)")
+            if line == LOCK_MARK + " held":
+                self._held.add(plan.target.id)
+            elif line == LOCK_MARK + " released":
+                self._held.discard(plan.target.id)
+        if plan.target.id not in self._held and res.rc != 0:
+            self._maybe_unreachable(res, plan.target)
+
+    def _release(self, target: Target, plan: Plan | None, log: IO[str]) -> None:
+        if self.lock is None or plan is None or target.id not in self._held:
+            return
+        try:
+            res = self._exec_always(target, "lock", "release", lock_command(plan, self.lock.release(target)), log)
+            if LOCK_MARK + " released" in res.output:
+                self._held.discard(target.id)
+        except (FleetcudaError, OSError) as exc:
+            log.write(f"# could not release the lock: {exc}\n")
 
     def _converge(self, target: Target, step: PlannedStep, log: IO[str], pre: RunResult | None) -> StepResult:
         start = time.monotonic()
@@ -247,7 +297,8 @@ class Engine:
             return self._failed(step, "verify", res, start, "verification failed")
         if self.mode == "check":
             return StepResult(step.name, "would-change", time.monotonic() - start,
-                              "check not satisfied", _tail(res.output), would_run=step.apply.display)
+                              "check not satisfied", _tail(res.output),
+                              would_run=self._redactors.get(target.id, _NO_SECRETS)(step.apply.display))
         res = self._apply(target, step, log)
         if res.rc != 0:
             self._maybe_unreachable(res, target)
@@ -311,23 +362,37 @@ class Engine:
             tail = [ln for ln in res.output.splitlines() if ln.strip()][-3:]
             raise UnreachableError(f"{target.id}: " + (" / ".join(tail) or f"exit {res.rc}"))
 
+    def _exec_always(self, target: Target, step: str, phase: str, cmd: BuiltCommand, log: IO[str]) -> RunResult:
+        """Cleanup that must run even after Ctrl-C (it is short and bounded)."""
+        log.write(f"\n## {_now()} {step} {phase}\n$ {cmd.display}\n")
+        res = self.pool.get(target.host).run(cmd, timeout=60, on_line=lambda line: log.write(line + "\n"))
+        log.write(f"## exit {res.rc} after {res.duration:.2f}s\n")
+        return res
+
     def _exec(self, target: Target, step: str, phase: str, cmd: BuiltCommand, log: IO[str],
               timeout: float | None) -> RunResult:
         if self.cancel.is_set():
             raise Interrupted()
+        redact = self._redactors.get(target.id, _NO_SECRETS)
         self.reporter.step_started(target.id, step, phase)
-        log.write(f"\n## {_now()} {step} {phase}\n$ {cmd.display}\n")
+        log.write(f"\n## {_now()} {step} {phase}\n$ {redact(cmd.display)}\n")
 
         def on_line(line: str) -> None:
+            line = redact(line)
             log.write(line + "\n")
             self.reporter.output(target.id, step, line)
 
         transport = self.pool.get(target.host)
         res = transport.run(cmd, timeout=timeout, on_line=on_line)
+        # What ends up in results (tails, found) and so in reports and history: redacted too.
+        res = RunResult(res.rc, redact(res.output), res.duration, res.timed_out)
         log.write(f"## exit {res.rc}{' (timed out)' if res.timed_out else ''} after {res.duration:.2f}s\n")
         if self.cancel.is_set():
             raise Interrupted()
         return res
+
+
+_NO_SECRETS = Redactor()
 
 
 class _Retry(Exception):
@@ -358,11 +423,12 @@ def _now() -> str:
 
 
 def exit_code(results: list[TargetResult]) -> int:
-    """0 all good; 1 a target failed (or drifted, for verify); 3 a target unreachable; 130 interrupted."""
+    """0 all good; 1 a target failed, drifted or was locked by another run; 3 a target unreachable;
+    130 interrupted."""
     statuses = {r.status for r in results}
     if "interrupted" in statuses:
         return 130
-    if statuses & {"failed", "drift"}:
+    if statuses & {"failed", "drift", "locked"}:
         return 1
     if "unreachable" in statuses:
         return 3

@@ -43,6 +43,7 @@ class Plan:
     values: dict[str, str]
     steps: list[PlannedStep] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # `auto` vars not yet read from the target
+    home: str = "/root"
 
 
 def base_values(recipe: Recipe, target: Target, overrides: dict[str, str]) -> dict[str, str]:
@@ -106,7 +107,7 @@ def parse_facts(output: str, names: list[str]) -> dict[str, str]:
 
 
 def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None) -> Plan:
-    plan = Plan(target, values, unresolved=pending_facts(recipe, values))
+    plan = Plan(target, values, unresolved=pending_facts(recipe, values), home=home or home_of(target))
     env = {**base_env(target, home), **recipe.env}
     exports: dict[str, str] = {}
     prepend: list[str] = []
@@ -153,17 +154,75 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
 BATCH_MARK = "@@fleetcuda-batch"
 
 
-def batch_command(plan: Plan, probes: list[tuple[int, Invocation]]) -> BuiltCommand:
+LOCK_MARK = "@@fleetcuda-lock"
+LOCK_TTL_S = 6 * 3600  # a lock older than this is taken over: its run died without releasing it
+
+
+@dataclass(frozen=True)
+class TargetLock:
+    """One `fleetcuda apply` at a time per target: a lock directory on the target itself, so two
+    control machines cannot converge the same container at once. Released when the run ends."""
+
+    owner: str  # user@host, pid and start time of this run
+    wait_s: int = 0
+
+    @staticmethod
+    def name(target: Target) -> str:
+        # Named after the vmid, which is what identifies the container whatever the inventory calls it.
+        return f"fleetcuda-apply-{target.container.vmid}" if target.container else "fleetcuda-apply"
+
+    def acquire(self, target: Target) -> str:
+        name = self.name(target)
+        return "\n".join([
+            f"lockdir=/run/lock/{name}",
+            f'{{ [ -d /run/lock ] && [ -w /run/lock ]; }} || lockdir="$HOME/.cache/{name}.lock"',
+            'mkdir -p "$(dirname "$lockdir")"',
+            f"deadline=$(( $(date +%s) + {int(self.wait_s)} ))",
+            'while ! mkdir "$lockdir" 2>/dev/null; do',
+            '  age=$(( $(date +%s) - $(stat -c %Y "$lockdir" 2>/dev/null || date +%s) ))',
+            f'  if [ "$age" -gt {LOCK_TTL_S} ]; then',
+            f'    echo "{LOCK_MARK} stale $(cat "$lockdir/owner" 2>/dev/null)"; rm -rf "$lockdir"; continue',
+            "  fi",
+            '  if [ "$(date +%s)" -ge "$deadline" ]; then',
+            f'    echo "{LOCK_MARK} busy $lockdir $(cat "$lockdir/owner" 2>/dev/null)"; exit 75',
+            "  fi",
+            "  sleep 2",
+            "done",
+            f'printf "%s\\n" {quote(self.owner)} > "$lockdir/owner"',
+            f'echo "{LOCK_MARK} held"',
+        ])
+
+    def release(self, target: Target) -> str:
+        name = self.name(target)
+        return "\n".join([
+            f"for lockdir in /run/lock/{name} \"$HOME/.cache/{name}.lock\"; do",
+            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ]; then rm -rf "$lockdir"; '
+            f'echo "{LOCK_MARK} released"; fi',
+            "done",
+        ])
+
+
+def lock_command(plan: Plan, script: str) -> BuiltCommand:
+    env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
+    return build(plan.target.chain, Invocation(script, env, timeout=3600))
+
+
+def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None) -> BuiltCommand:
     """One round trip for many read-only checks: each runs exactly as on its own (same env -i argv,
-    same timeout), framed by markers so the results come back per step, not scraped from a mix."""
-    lines = ["set +e", "now() { date +%s%3N; }"]
+    same timeout), framed by markers so the results come back per step, not scraped from a mix.
+    With a lock, it is taken first; and if every check passed (nothing to apply), released at once."""
+    lines = ["set +e", "now() { date +%s%3N; }", "all_ok=1"]
+    if lock is not None:
+        lines.append(lock.acquire(plan.target))
     for index, probe in probes:
         lines.append(f"echo {BATCH_MARK} begin {index}; t=$(now)")
         lines.append(f"{join(target_argv(probe))} </dev/null 2>&1; rc=$?")
-        lines.append(f'echo; echo {BATCH_MARK} end {index} "$rc" "$(( $(now) - t ))"')
-    total = sum(p.timeout or 0 for _, p in probes) + 60
-    return build(plan.target.chain, Invocation("\n".join(lines), {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
-                                               timeout=total))
+        lines.append(f'echo; echo {BATCH_MARK} end {index} "$rc" "$(( $(now) - t ))"; [ "$rc" = 0 ] || all_ok=0')
+    if lock is not None:
+        lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(plan.target)}\nfi')
+    total = sum(p.timeout or 0 for _, p in probes) + 60 + (lock.wait_s if lock else 0)
+    env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
+    return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total))
 
 
 @dataclass

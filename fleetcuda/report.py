@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 STATUS_STYLE = {
     "ok": "green", "changed": "yellow", "skipped": "dim", "would-change": "cyan", "drift": "red",
-    "failed": "bold red", "unreachable": "bold red", "interrupted": "magenta",
+    "failed": "bold red", "unreachable": "bold red", "interrupted": "magenta", "locked": "bold red",
 }
 
 
@@ -145,5 +145,5 @@ def summary(results: list[TargetResult], console: Console) -> None:
                 console.print(f"    {s.would_run}", markup=False, highlight=False, soft_wrap=True)
         if r.error:
             console.print(f"[bold red]{r.target}[/]: {r.status}: {r.error}", highlight=False)
-        if r.status in ("failed", "unreachable", "drift", "interrupted") and r.log:
+        if r.status in ("failed", "unreachable", "drift", "interrupted", "locked") and r.log:
             console.print(f"    full log: {r.log}", markup=False, highlight=False)

@@ -1,0 +1,37 @@
+"""Secrets never printed: values of password-like variables, and credentials in URLs, are replaced
+by *** in logs, dry-run output, progress lines, reports and history.
+
+The command sent to a target still carries the value (a step that needs a token must get it), so
+it can be seen by root on that host while the step runs; everything fleetcuda writes is redacted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+SECRET_NAME = re.compile(r"(?i)(pass(word|wd|phrase)?|secret|token|api_?key|credential|private_?key|auth)")
+# scheme://user:password@host -> scheme://user:***@host
+URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/\s:@'\"]+):(?P<pw>[^/\s@'\"]+)@")
+MASK = "***"
+MIN_SECRET = 4  # shorter values would blank out ordinary text
+
+
+def secret_values(variables: Mapping[str, str]) -> list[str]:
+    return [v for k, v in variables.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET]
+
+
+class Redactor:
+    def __init__(self, secrets: Iterable[str] = ()):
+        # Longest first, so a secret containing another is masked whole.
+        self.secrets = sorted({s for s in secrets if len(s) >= MIN_SECRET}, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, MASK)
+        return URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+
+
+def for_variables(*maps: Mapping[str, str]) -> Redactor:
+    return Redactor(s for m in maps for s in secret_values(m))

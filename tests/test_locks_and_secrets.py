@@ -1,0 +1,97 @@
+"""Two applies on one target: the second refuses (or waits) by a lock on the target itself; other
+targets proceed. Secrets: never in dry-run output, logs, reports or history, yet the step gets them."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_fleetcuda
+from tests.lab.sshd import LoopbackSshd
+from tests.test_e2e_ssh import write_inventory
+
+SLOW = str(REPO / "tests/data/slow.yaml")
+SECRET = str(REPO / "tests/data/secret.yaml")
+
+
+@pytest.fixture
+def lab(sshd_lab: LoopbackSshd) -> LoopbackSshd:
+    for vmid in (300, 301, 310, 320):
+        sshd_lab.add_container(vmid, name=f"c{vmid}")
+    return sshd_lab
+
+
+@pytest.fixture
+def env(lab: LoopbackSshd, tmp_path: Path) -> dict[str, Path]:
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chmod(tmp_path, 0o755)
+    return {"inv": write_inventory(lab, tmp_path / "inv.yaml"), "root": root, "state": tmp_path / "fc"}
+
+
+def start(*args: str, state: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "fleetcuda", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"})
+
+
+def test_second_apply_on_a_target_refuses_while_others_proceed(env: dict[str, Path]) -> None:
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain"]
+    first = start("apply", SLOW, *common, "--limit", "bashhost/300", "--var", "seconds=4", state=env["state"])
+    time.sleep(1.5)
+    second = run_fleetcuda("apply", SLOW, *common, "--limit", "bashhost/300,bashhost/301", "--var", "seconds=0",
+                           state=env["state"])
+    out, _ = first.communicate(timeout=60)
+    assert first.returncode == 0, out
+    assert second.returncode == 1, second.stdout
+    assert "bashhost/300 done: locked: another fleetcuda apply holds /run/lock/fleetcuda-apply-300" in second.stdout
+    assert f"pid {first.pid} since" in second.stdout  # names who holds it
+    assert "bashhost/301 done: changed" in second.stdout  # another target proceeded in parallel
+    # The first run released its lock: a new apply gets it, finds nothing to do, and releases it again.
+    third = run_fleetcuda("apply", SLOW, *common, "--limit", "bashhost/300", state=env["state"], check=True)
+    assert "done: ok" in third.stdout
+    assert not Path("/run/lock/fleetcuda-apply-300").exists()
+
+
+def test_lock_wait_waits_for_the_first_run(env: dict[str, Path]) -> None:
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "zshhost/310"]
+    first = start("apply", SLOW, *common, "--var", "seconds=3", state=env["state"])
+    time.sleep(1.5)
+    second = run_fleetcuda("apply", SLOW, *common, "--lock-wait", "30", state=env["state"])
+    first.communicate(timeout=60)
+    assert first.returncode == 0
+    assert second.returncode == 0, second.stdout
+    assert "zshhost/310 done: ok" in second.stdout  # waited, then found the work done
+
+
+def test_secrets_are_used_but_never_shown_or_stored(env: dict[str, Path], tmp_path: Path) -> None:
+    token = "tok-8f3a9c2e77"
+    mirror = "https://ci:hunter2-pw@mirror.example.invalid/simple"
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--var", f"api_token={token}",
+              "--var", f"mirror={mirror}", "--limit", "dashhost/320"]
+    dry = run_fleetcuda("apply", SECRET, *common, "--dry-run", state=env["state"], check=True)
+    assert token not in dry.stdout and "hunter2-pw" not in dry.stdout
+    assert "***" in dry.stdout and "https://ci:***@mirror.example.invalid" in dry.stdout
+
+    report = tmp_path / "r.json"
+    run = run_fleetcuda("apply", SECRET, *common, "--plain", "--show-output", state=env["state"])
+    assert run.returncode == 1
+    assert (env["root"] / "ct320" / "token").read_text() == token  # the step did get the real value
+    assert "using token *** with https://ci:***@mirror.example.invalid/simple" in run.stdout
+    ver = run_fleetcuda("verify", SECRET, *common, "--plain", "--report", f"json={report}", state=env["state"])
+    assert ver.returncode == 0, ver.stdout
+    written = [run.stdout, ver.stdout, report.read_text()]
+    written += [p.read_text() for p in (env["state"] / "runs").rglob("*.log")]
+    with sqlite3.connect(env["state"] / "history.sqlite") as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        assert len(tables) >= 2
+        written += [json.dumps(row) for table in tables for row in db.execute(f"SELECT * FROM {table}")]  # noqa: S608
+    for text in written:
+        assert token not in text and "hunter2-pw" not in text
