@@ -357,16 +357,13 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
     reporter.start(mode, recipe.path, [t.id for t in targets])
     try:
         results = engine.run()
-    except KeyboardInterrupt:
-        reporter.stop()
-        console.print("[magenta]interrupted[/]: remote steps were stopped; what had run:")
-        for r in engine_results_snapshot(engine, targets):
-            console.print(f"  {r}", markup=False)
-        console.print(f"logs: {run_dir}", markup=False)
-        return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
         reporter.stop()
+    if engine.interrupted:
+        console.print("[magenta]interrupted[/]: what had run, and what was stopped on each target:")
+        for line in engine_results_snapshot(engine, targets):
+            console.print(f"  {line}", markup=False, highlight=False)
     code = exit_code(results)
     info = RunInfo(mode=mode, recipe_path=recipe.path, recipe_name=recipe.name, inventory_path=inventory.path,
                    started_at=started, finished_at=datetime.now(UTC), exit_code=code, run_dir=str(run_dir))
@@ -508,7 +505,8 @@ def engine_results_snapshot(engine: Engine, targets: list[Target]) -> list[str]:
         if log.exists():
             text = log.read_text().splitlines()
             done = [ln[3:].strip() for ln in text if ln.startswith("## ") and " exit " not in ln]
-        lines.append(f"{t.id}: {done[-1] if done else 'nothing ran'}")
+        last = f"last started: {done[-1]}" if done else "nothing ran"
+        lines.append(f"{t.id}: {last}" + (f"; {engine.stopped[t.id]}" if t.id in engine.stopped else ""))
     return lines
 
 

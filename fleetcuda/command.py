@@ -109,6 +109,8 @@ class Invocation:
     script: str
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: int | None = None
+    # bash's $0, the last word of the command line: lets an interrupted run find what it left running.
+    label: str = "fleetcuda"
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class BuiltCommand:
     argv: tuple[str, ...]  # what the host (or the local machine) must execute
     remote: str | None  # exact string for the SSH exec channel; None for local targets
     display: str  # one line a user can paste into bash or zsh for the same effect
+    label: str = "fleetcuda"  # the target-side label of what runs (see stop_invocation)
 
 
 def target_argv(inv: Invocation) -> list[str]:
@@ -128,8 +131,34 @@ def target_argv(inv: Invocation) -> list[str]:
     if inv.timeout:
         argv += [TIMEOUT, "-k", str(KILL_AFTER_S), str(int(inv.timeout))]
     # Not a login shell and no rc files: nothing from /etc/profile.d, by design.
-    argv += [BASH, "--noprofile", "--norc", "-c", inv.script]
+    argv += [BASH, "--noprofile", "--norc", "-c", inv.script, inv.label]
     return argv
+
+
+# Run inside a target after Ctrl-C: TERM (then KILL) every process whose last argument is the label
+# of the step that was running. `timeout` passes the signal on to the step's whole process group.
+STOP_SCRIPT = r"""label=$1
+stop() {
+  n=0
+  for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    [ "$pid" = "$$" ] && continue
+    last=$(tr '\0' '\n' < "$d/cmdline" 2>/dev/null | tail -n 1) || continue
+    if [ "$last" = "$label" ]; then kill "-$1" "$pid" 2>/dev/null && n=$((n + 1)); fi
+  done
+  echo "$n"
+}
+first=$(stop TERM)
+for _ in 1 2 3 4 5 6 7 8 9 10; do [ "$(stop 0)" = 0 ] && break; sleep 1; done
+left=$(stop KILL)
+echo "stopped $first process(es) labelled $label; $left needed KILL"
+"""
+
+
+def stop_invocation(label: str) -> Invocation:
+    """What fleetcuda runs in a target to stop the step labelled `label` (after Ctrl-C or SIGTERM)."""
+    return Invocation(f"set -- {quote(label)}\n" + STOP_SCRIPT, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                      timeout=60, label="fleetcuda:stop")
 
 
 def host_argv(chain: HopChain, inner: Sequence[str]) -> list[str]:
@@ -164,9 +193,9 @@ def _jump_spec(hop: SshHop) -> str:
 def build(chain: HopChain, inv: Invocation) -> BuiltCommand:
     argv = host_argv(chain, target_argv(inv))
     if chain.ssh is None:
-        return BuiltCommand(tuple(argv), None, join_for_paste(argv))
+        return BuiltCommand(tuple(argv), None, join_for_paste(argv), inv.label)
     remote = join(argv)
     hop = chain.ssh
     # `--` stops ssh's option parsing, so the destination and command are never read as options.
     display = join_for_paste([*ssh_argv(hop), "--", f"{hop.user}@{hop.address}", remote])
-    return BuiltCommand(tuple(argv), remote, display)
+    return BuiltCommand(tuple(argv), remote, display, inv.label)

@@ -19,7 +19,7 @@ from typing import IO, Literal
 
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
-from fleetcuda.command import BuiltCommand
+from fleetcuda.command import BuiltCommand, build, stop_invocation
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 from fleetcuda.inventory import Target
 from fleetcuda.planner import (
@@ -130,6 +130,10 @@ class Engine:
         self._redactors: dict[str, Redactor] = {}
         self.lock = lock if mode == "apply" else None
         self._held: set[str] = set()  # targets whose apply lock this run holds
+        self._running: dict[str, str] = {}  # target id -> label of the command running there now
+        self._plans: dict[str, Plan] = {}
+        self.stopped: dict[str, str] = {}
+        self.interrupted = False
 
     # -- whole run -------------------------------------------------------------------------
 
@@ -143,19 +147,62 @@ class Engine:
             while pending:
                 _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
         except KeyboardInterrupt:
+            # Close the channels, then stop what they had started on each target (closing an SSH
+            # channel leaves a non-tty command running), then release the targets' locks.
             self.cancel.set()
+            running = dict(self._running)  # before the channels close and the workers forget it
             self.pool.abort()
             for fut in futures:
                 fut.cancel()
+            self.stopped = self._stop_remote(running)
             wait(set(futures), timeout=30)
+            for target in self.targets:
+                if target.id in self._held:
+                    self._release_after_interrupt(target)
             for r in results.values():
                 if r.status in ("pending", "running"):
                     r.status = "interrupted"
-            raise
+                if r.target in self.stopped:
+                    r.status, r.error = "interrupted", self.stopped[r.target]
+            self.interrupted = True
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             self.pool.close()
         return [results[t.id] for t in self.targets]
+
+    def _stop_remote(self, running: dict[str, str]) -> dict[str, str]:
+        """Stop, on each target, the step that was running when Ctrl-C or SIGTERM came."""
+        stopped: dict[str, str] = {}
+        for target in self.targets:
+            label = running.get(target.id)
+            if not label:
+                continue
+            try:
+                res = self.pool.get(target.host).run(build(target.chain, stop_invocation(label)), timeout=60,
+                                                     on_line=lambda line: None)
+                what = res.output.strip().splitlines()[-1] if res.output.strip() else f"exit {res.rc}"
+            except (FleetcudaError, OSError) as exc:
+                what = f"could not stop it: {exc}"
+            stopped[target.id] = f"interrupted during {label.removeprefix('fleetcuda:')}: {what}"
+            self._append_log(target, f"# {stopped[target.id]}")
+        return stopped
+
+    def _release_after_interrupt(self, target: Target) -> None:
+        plan = self._plans.get(target.id)
+        if plan is None or self.lock is None:
+            return
+        try:
+            res = self.pool.get(target.host).run(lock_command(plan, self.lock.release(target)), timeout=60,
+                                                 on_line=lambda line: None)
+            if LOCK_MARK + " released" in res.output:
+                self._held.discard(target.id)
+                self._append_log(target, "# lock released after the interruption")
+        except (FleetcudaError, OSError):
+            pass
+
+    def _append_log(self, target: Target, line: str) -> None:
+        with _private_file(self.run_dir / (target.id.replace("/", "_") + ".log")) as log:
+            log.write(line + "\n")
 
     # -- one target -------------------------------------------------------------------------
 
@@ -193,7 +240,8 @@ class Engine:
                 result.status = "failed"
                 result.error = str(exc)
             finally:
-                self._release(target, plan, log)
+                if not self.cancel.is_set():  # after Ctrl-C the main thread stops the step first, then releases
+                    self._release(target, plan, log)
             result.duration = time.monotonic() - start
             log.write(f"# result: {result.status}{' - ' + result.error if result.error else ''}\n")
         self.reporter.target_finished(result)
@@ -209,7 +257,9 @@ class Engine:
                 self._maybe_unreachable(res, target)
             values = {**values, **parse_facts(res.output, names)}
             log.write("# facts: " + ", ".join(f"{n}={values[n]}" for n in names) + "\n")
-        return make_plan(self.recipe, target, values, self.home(target))
+        plan = make_plan(self.recipe, target, values, self.home(target))
+        self._plans[target.id] = plan
+        return plan
 
     def _steps(self, plan: Plan, result: TargetResult, log: IO[str]) -> None:
         tid = plan.target.id
@@ -383,7 +433,15 @@ class Engine:
             self.reporter.output(target.id, step, line)
 
         transport = self.pool.get(target.host)
-        res = transport.run(cmd, timeout=timeout, on_line=on_line)
+        self._running[target.id] = cmd.label
+        try:
+            res = transport.run(cmd, timeout=timeout, on_line=on_line)
+        except (UnreachableError, OSError, EOFError):
+            if self.cancel.is_set():
+                raise Interrupted() from None
+            raise
+        finally:
+            self._running.pop(target.id, None)
         # What ends up in results (tails, found) and so in reports and history: redacted too.
         res = RunResult(res.rc, redact(res.output), res.duration, res.timed_out)
         log.write(f"## exit {res.rc}{' (timed out)' if res.timed_out else ''} after {res.duration:.2f}s\n")

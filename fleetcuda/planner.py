@@ -87,7 +87,8 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
         body = _render(recipe, ("facts", name), recipe.facts[name], values, shell=True)
         # stderr stays out of the value: a library's warning must not become a version number.
         parts.append(f"echo {FACT_MARK} {name}\n( {body}\n) 2>/dev/null | tail -n 1\necho {FACT_MARK} end $?")
-    return build(target.chain, Invocation("\n".join(parts), base_env(target, home), timeout=120))
+    return build(target.chain, Invocation("\n".join(parts), base_env(target, home), timeout=120,
+                                          label="fleetcuda:facts"))
 
 
 def parse_facts(output: str, names: list[str]) -> dict[str, str]:
@@ -137,7 +138,8 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         def cmd(script: str | None) -> BuiltCommand | None:
             if script is None:
                 return None
-            return build(target.chain, Invocation(script, full_env, timeout=step.timeout))  # noqa: B023
+            label = f"fleetcuda:{step.name}"  # noqa: B023
+            return build(target.chain, Invocation(script, full_env, timeout=step.timeout, label=label))  # noqa: B023
 
         apply = scripts.apply
         if apply is not None and step.kind == "shell":
@@ -146,8 +148,9 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         planned.expect = scripts.expect or step.description or "exit 0"
         pre = scripts.check if scripts.check is not None else (scripts.verify if apply is None else None)
         post = scripts.verify if scripts.verify is not None else scripts.check
-        planned.pre_probe = Invocation(pre, full_env, timeout=step.timeout) if pre is not None else None
-        planned.verify_probe = Invocation(post, full_env, timeout=step.timeout) if post is not None else None
+        label = f"fleetcuda:{step.name}"
+        planned.pre_probe = Invocation(pre, full_env, step.timeout, label) if pre is not None else None
+        planned.verify_probe = Invocation(post, full_env, step.timeout, label) if post is not None else None
     return plan
 
 
@@ -204,7 +207,7 @@ class TargetLock:
 
 def lock_command(plan: Plan, script: str) -> BuiltCommand:
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(plan.target.chain, Invocation(script, env, timeout=3600))
+    return build(plan.target.chain, Invocation(script, env, timeout=3600, label="fleetcuda:lock"))
 
 
 def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None) -> BuiltCommand:
@@ -222,7 +225,7 @@ def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: Target
         lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(plan.target)}\nfi')
     total = sum(p.timeout or 0 for _, p in probes) + 60 + (lock.wait_s if lock else 0)
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total))
+    return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total, label="fleetcuda:batch"))
 
 
 @dataclass

@@ -78,7 +78,7 @@ def load_recipe(path: str | Path) -> Recipe:
         if not isinstance(raw, dict):
             raise doc.error(("steps", i), "a step is a mapping with at least `name`")
         kind = raw.get("kind", "shell")
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:  # a list or mapping is not hashable
             raise doc.error(("steps", i, "kind"), f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
         step: StepSpec = doc.validate(KINDS[kind], raw, base=("steps", i))
         if step.name in seen:

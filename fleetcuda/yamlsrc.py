@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,12 @@ from fleetcuda.errors import InputError
 # Bounds keep a hostile or broken file from exhausting memory (alias bombs, giant documents).
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NODES = 200_000
+# No valid file nests this deep; the bound also keeps recursive aliases (`&a [*a]`) from recursing forever.
+MAX_DEPTH = 64
+# Longer integers cannot even be printed (Python's 4300-digit limit); no valid value is one.
+MAX_INT_CHARS = 1000
+INT_TAG = "tag:yaml.org,2002:int"
+LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")  # what YAML counts as a new line
 
 Loc = tuple[str | int, ...]
 
@@ -46,7 +53,8 @@ class SourceDoc:
             if isinstance(part, int) and (prefix in self.sequences or prefix not in self.lines):
                 out += f"[{part}]"
             else:
-                out += f".{part}" if out else str(part)
+                shown = str(part) if str(part).isprintable() else repr(part)  # keep the message on one line
+                out += f".{shown}" if out else shown
             prefix = prefix + (part,)
         return out
 
@@ -56,13 +64,34 @@ class SourceDoc:
             return model.model_validate(self.data if data is None else data)
         except pydantic.ValidationError as exc:
             err = exc.errors(include_url=False)[0]
-            loc = base + tuple(p for p in err["loc"] if not _is_union_tag(p))
+            loc = base + _data_loc(self.data if data is None else data, err["loc"])
             raise self.error(loc, _message(err)) from None
 
 
+def _data_loc(data: Any, loc: tuple[str | int, ...]) -> Loc:
+    """pydantic's loc without the union members' names it inserts; a key the YAML really has is never dropped
+    (a host `GPU1`, a variable `CUDA_HOME`, a variable named `str`)."""
+    out: list[str | int] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif _is_union_tag(part):
+            continue
+        else:
+            node = None
+        out.append(part)
+    return tuple(out)
+
+
 def _is_union_tag(part: str | int) -> bool:
-    # pydantic inserts the union member's name ("function-after[...]", "ShellStep") into locs.
-    return isinstance(part, str) and ("[" in part or part[:1].isupper())
+    # pydantic inserts the union member's name ("function-after[...]", "ShellStep", "str") into locs.
+    return isinstance(part, str) and ("[" in part or "-" in part or part[:1].isupper() or part in _TYPE_TAGS)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "list", "dict"}
 
 
 def _message(err: dict[str, Any]) -> str:
@@ -97,7 +126,11 @@ def load_yaml(path: str | Path) -> SourceDoc:
 
 
 def parse_yaml(text: str, shown: str) -> SourceDoc:
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # refuses control characters at once
+    except yaml.reader.ReaderError as exc:
+        line = len(LINE_BREAK.findall(text, 0, exc.position)) + 1
+        raise InputError(shown, line, "", f"invalid YAML: unacceptable character #x{exc.character:04x}") from None
     try:
         node = loader.get_single_node()
         lines: dict[Loc, int] = {}
@@ -110,6 +143,8 @@ def parse_yaml(text: str, shown: str) -> SourceDoc:
         raise InputError(shown, line, "", f"invalid YAML: {problem}") from None
     except yaml.YAMLError as exc:
         raise InputError(shown, None, "", f"invalid YAML: {exc}") from None
+    except RecursionError:  # PyYAML's composer recurses once per level of nesting
+        raise InputError(shown, loader.get_mark().line + 1, "", "invalid YAML: nested too deeply") from None
     finally:
         loader.dispose()
     return SourceDoc(shown, data, lines, sequences)
@@ -120,12 +155,15 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
     count[0] += 1
     if count[0] > MAX_NODES:
         raise yaml.MarkedYAMLError(problem=f"more than {MAX_NODES} values", problem_mark=node.start_mark)
+    if len(loc) > MAX_DEPTH:
+        raise yaml.MarkedYAMLError(problem=f"nested more than {MAX_DEPTH} levels deep", problem_mark=node.start_mark)
     lines[loc] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         loader.flatten_mapping(node)  # resolves "<<" merge keys
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            # A non-scalar key is refused before it is built: building it could take exponential time.
+            key = _scalar(loader, key_node) if isinstance(key_node, yaml.ScalarNode) else None
             if not isinstance(key, (str, int, float, bool)):
                 raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
                                            problem_mark=key_node.start_mark)
@@ -138,6 +176,19 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
     if isinstance(node, yaml.SequenceNode):
         sequences.add(loc)
         return [_build(loader, item, loc + (i,), lines, sequences, count) for i, item in enumerate(node.value)]
-    value = loader.construct_object(node, deep=True)
+    value = _scalar(loader, node)
     # A version such as `cuda_version: 12.10` must not become the float 12.1: keep the text.
     return node.value if isinstance(value, float) else value
+
+
+def _scalar(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    """A scalar's value; PyYAML's constructors raise plain exceptions for `!!int abc`, `!!bool maybe`, ..."""
+    if node.tag == INT_TAG and len(node.value) > MAX_INT_CHARS:
+        raise yaml.MarkedYAMLError(problem=f"integer longer than {MAX_INT_CHARS} characters",
+                                   problem_mark=node.start_mark)
+    try:
+        return loader.construct_object(node, deep=True)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError):
+        tag = node.tag.rsplit(":", 1)[-1]
+        raise yaml.MarkedYAMLError(problem=f"{node.value[:40]!r} is not a valid {tag}",
+                                   problem_mark=node.start_mark) from None

@@ -77,7 +77,7 @@ def test_apply_converges_then_second_apply_changes_nothing(lab: LoopbackSshd, en
     assert "changed" not in second.stdout.split("summary")[0].replace("done: ok", "")
     for vmid in CONTAINERS:
         assert applies(env["root"], vmid) == 1
-    scripts = [c["argv"][-1] for c in lab.calls() if c["argv"][:1] == ["exec"]]
+    scripts = [c["argv"][-2] for c in lab.calls() if c["argv"][:1] == ["exec"]]  # [-1] is the label
     assert scripts and not any("echo applied" in s for s in scripts)
     # A converged target costs one pct exec: its three checks (make-dir, write-greeting, env-is-clean)
     # travel in one batch; may-fail is skipped by its `when`.

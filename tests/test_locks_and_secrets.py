@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -95,3 +96,42 @@ def test_secrets_are_used_but_never_shown_or_stored(env: dict[str, Path], tmp_pa
         written += [json.dumps(row) for table in tables for row in db.execute(f"SELECT * FROM {table}")]  # noqa: S608
     for text in written:
         assert token not in text and "hunter2-pw" not in text
+
+
+def _labelled(label: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                args = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(args) > 1 and args[-2] == label.encode():
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_interrupt_stops_the_remote_step_and_the_next_run_resumes(env: dict[str, Path], signal_name: str) -> None:
+    import signal
+
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320"]
+    run = start("apply", SLOW, *common, "--var", "seconds=120", state=env["state"])
+    deadline = time.monotonic() + 20
+    while not _labelled("fleetcuda:slow-marker"):
+        assert time.monotonic() < deadline, "the step never started"
+        time.sleep(0.2)
+    run.send_signal(getattr(signal, signal_name))
+    out, _ = run.communicate(timeout=60)
+    assert run.returncode == 130, out
+    # timeout and bash in a real container; here the stand-in container shares the host, so sudo too
+    stopped = re.search(r"interrupted during slow-marker: stopped (\d+) process\(es\) labelled fleetcuda:slow-marker",
+                        out)
+    assert stopped and int(stopped[1]) >= 1, out
+    assert _labelled("fleetcuda:slow-marker") == []  # nothing left running on the target
+    assert not Path("/run/lock/fleetcuda-apply-320").exists()
+    assert not (env["root"] / "ct320" / "slow").exists()  # nothing half-done reported as done
+    hist = run_fleetcuda("history", "--format", "json", state=env["state"], check=True)
+    assert json.loads(hist.stdout)["runs"][0]["exit_code"] == 130
+    again = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
+    assert "slow-marker: changed" in again.stdout

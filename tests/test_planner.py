@@ -30,14 +30,15 @@ def test_flagship_plan_for_the_example_follows_the_seeds() -> None:
     steps = {s.name: s for s in plan.steps}
     assert list(steps) == ["cuda-keyring", "cuda-compiler", "cuda-home", "build-deps", "torch-matches-nvcc",
                            "causal-conv1d", "fla-core", "fast-path"]
-    assert "cuda-nvcc-12-8 cuda-cudart-dev-12-8" in steps["cuda-compiler"].apply.argv[-1]
+    assert "cuda-nvcc-12-8 cuda-cudart-dev-12-8" in steps["cuda-compiler"].apply.argv[-2]
     build = steps["causal-conv1d"].apply.argv
     env = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in build if "=" in a and a.isascii() and a[0].isupper()}
     assert env["CUDA_HOME"] == "/usr/local/cuda-12.8"
     assert env["CAUSAL_CONV1D_FORCE_BUILD"] == "TRUE"
     assert env["MAX_JOBS"] == "8"
     assert env["PATH"].startswith("/usr/local/cuda-12.8/bin:/root/venv/bin:")
-    script = build[-1]
+    script = build[-2]
+    assert build[-1] == "fleetcuda:causal-conv1d"  # bash $0: how an interrupted run finds it
     assert "--no-build-isolation" in script and "--no-cache-dir" in script and "--no-cache " in script
     assert "causal-conv1d==1.7.0" in script
     assert build[:5] == ("/usr/sbin/pct", "exec", "200", "--", "/usr/bin/env")
@@ -71,13 +72,13 @@ def test_auto_values_come_from_one_fact_round_trip() -> None:
     names = pending_facts(recipe, values)
     assert names == ["cuda_version", "max_jobs"]
     cmd = facts_command(recipe, target, values, names)
-    assert "import torch" in cmd.argv[-1] and "nproc" in cmd.argv[-1]
+    assert "import torch" in cmd.argv[-2] and "nproc" in cmd.argv[-2]
     output = "@@fleetcuda-fact cuda_version\n13.0\n@@fleetcuda-fact end 0\n@@fleetcuda-fact max_jobs\n16\n"
     facts = parse_facts(output + "@@fleetcuda-fact end 0\n", names)
     assert facts == {"cuda_version": "13.0", "max_jobs": "16"}
     plan = make_plan(recipe, target, {**values, **facts})
     compiler = next(s for s in plan.steps if s.name == "cuda-compiler")
-    assert "cuda-nvcc-13-0" in compiler.apply.argv[-1]
+    assert "cuda-nvcc-13-0" in compiler.apply.argv[-2]
     with pytest.raises(TemplateError):
         parse_facts("@@fleetcuda-fact cuda_version\n$(reboot)\n", ["cuda_version"])
     with pytest.raises(TemplateError):

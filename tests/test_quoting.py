@@ -72,7 +72,7 @@ def test_login_shell_passes_script_byte_for_byte(recorders: dict[str, Path], she
     assert proc.returncode == 0, proc.stderr
     argv = recorded(recorders["dir"] / "pct.argv")
     assert argv == ["exec", "200", "--", *expected_inner(script, env)]
-    assert argv[-1] == script
+    assert argv[-2] == script
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
@@ -133,5 +133,6 @@ def test_sudo_and_local_chains() -> None:
     assert sudo.argv[:7] == ("sudo", "-n", "--", "/usr/sbin/pct", "exec", "201", "--")
     local = build(HopChain(), inv)
     assert local.remote is None
-    assert local.argv == ("/usr/bin/env", "-i", "A=1", "/bin/bash", "--noprofile", "--norc", "-c", "true")
+    assert local.argv == ("/usr/bin/env", "-i", "A=1", "/bin/bash", "--noprofile", "--norc", "-c", "true",
+                          "fleetcuda")
     assert os.path.basename(local.argv[0]) == "env"
