@@ -8,6 +8,7 @@ directory, which is private (0700, files 0600).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -19,12 +20,13 @@ from typing import IO, Literal
 
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
-from fleetcuda.command import BuiltCommand, build, stop_invocation
+from fleetcuda.command import BuiltCommand, Invocation, build, quote, stop_invocation
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 from fleetcuda.inventory import Target
 from fleetcuda.planner import (
     LOCK_MARK,
     LOCK_TTL_S,
+    SYSTEM_PATH,
     Plan,
     PlannedStep,
     TargetLock,
@@ -353,7 +355,10 @@ class Engine:
         if res.rc != 0:
             self._maybe_unreachable(res, target)
             why = "timed out" if res.timed_out or res.rc == 124 else f"exit {res.rc}"
-            return self._failed(step, "apply", res, start, f"apply failed ({why})")
+            failed = self._failed(step, "apply", res, start, f"apply failed ({why})")
+            if "No space left on device" in res.output:
+                failed.detail += "; " + self._free_space(target, res.output, log)
+            return failed
         after = step.verify or step.check
         assert after is not None
         res = self._exec(target, step.name, "verify", after, log, step.timeout)
@@ -399,6 +404,25 @@ class Engine:
             return last.result
         raise AssertionError("unreachable")
 
+    def _free_space(self, target: Target, output: str, log: IO[str]) -> str:
+        """A full disk, said plainly: which filesystem, how much is free, on which target."""
+        paths = {"/tmp"} | {m.rstrip(".,;:") for line in output.splitlines() if "No space left" in line
+                            for m in re.findall(r"(/[\w./+@-]+)", line)}
+        report = 'NR == 2 { printf "%s on %s: %d MiB free of %d MiB\\n", p, $6, $4 / 1024, $2 / 1024 }'
+        script = ("for p in " + " ".join(quote(p) for p in sorted(paths)) + "; do\n"
+                  '  while [ ! -e "$p" ]; do p=$(dirname "$p"); done\n'
+                  f'  df -Pk "$p" | awk -v p="$p" {quote(report)}\n'
+                  "done\n"
+                  # Tools often do not say which file they were writing: name every filesystem that is full.
+                  f"df -Pk 2>/dev/null | awk {quote(FULL_FILESYSTEMS)}")
+        cmd = build(target.chain, Invocation(script, {"PATH": SYSTEM_PATH}, timeout=60, label="fleetcuda:df"))
+        try:
+            res = self._exec(target, "disk", "free-space", cmd, log, 60)
+        except (FleetcudaError, OSError):
+            return f"disk full on {target.id}"
+        lines = sorted(set(res.output.strip().splitlines()))
+        return f"disk full on {target.id}: " + "; ".join(lines)
+
     def _failed(self, step: PlannedStep, phase: str, res: RunResult, start: float, why: str) -> StepResult:
         return StepResult(step.name, "failed", time.monotonic() - start, f"{phase}: {why}", _tail(res.output))
 
@@ -433,13 +457,22 @@ class Engine:
             self.reporter.output(target.id, step, line)
 
         transport = self.pool.get(target.host)
+        # A dropped connection is retried (once, on a new connection) only where that is safe: read-only
+        # commands. An apply is never re-sent blindly; the next run's check decides.
+        attempts = 2 if phase in SAFE_TO_RETRY else 1
         self._running[target.id] = cmd.label
         try:
-            res = transport.run(cmd, timeout=timeout, on_line=on_line)
-        except (UnreachableError, OSError, EOFError):
-            if self.cancel.is_set():
-                raise Interrupted() from None
-            raise
+            for attempt in range(attempts):
+                try:
+                    res = transport.run(cmd, timeout=timeout, on_line=on_line)
+                    break
+                except (UnreachableError, OSError, EOFError) as exc:
+                    if self.cancel.is_set():
+                        raise Interrupted() from None
+                    if attempt + 1 >= attempts or isinstance(exc, HostKeyError):
+                        raise
+                    log.write(f"# {exc}; the command is read-only, so it is sent once more\n")
+                    time.sleep(1)
         finally:
             self._running.pop(target.id, None)
         # What ends up in results (tails, found) and so in reports and history: redacted too.
@@ -451,6 +484,13 @@ class Engine:
 
 
 _NO_SECRETS = Redactor()
+
+
+FULL_FILESYSTEMS = ('NR > 1 && $2 > 0 && $5 + 0 >= 98 '
+                    '{ printf "%s: %d MiB free of %d MiB\\n", $6, $4 / 1024, $2 / 1024 }')
+
+
+SAFE_TO_RETRY = {"check", "verify", "read", "acquire"}
 
 
 class _Retry(Exception):

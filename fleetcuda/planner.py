@@ -182,6 +182,8 @@ class TargetLock:
             'mkdir -p "$(dirname "$lockdir")"',
             f"deadline=$(( $(date +%s) + {int(self.wait_s)} ))",
             'while ! mkdir "$lockdir" 2>/dev/null; do',
+            # Ours already (a reply lost with a dropped connection, then the command sent again).
+            f'  [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ] && break',
             '  age=$(( $(date +%s) - $(stat -c %Y "$lockdir" 2>/dev/null || date +%s) ))',
             f'  if [ "$age" -gt {LOCK_TTL_S} ]; then',
             f'    echo "{LOCK_MARK} stale $(cat "$lockdir/owner" 2>/dev/null)"; rm -rf "$lockdir"; continue',

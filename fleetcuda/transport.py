@@ -268,7 +268,8 @@ class SshTransport(Transport):
             raise UnreachableError(f"{self.hop.address}: connection lost before the exit status arrived")
         rc = chan.recv_exit_status()
         if rc == -1:
-            raise UnreachableError(f"{self.hop.address}: the command ended without an exit status")
+            raise UnreachableError(f"{self.hop.address}: connection lost: the command ended without an exit status "
+                                   "(the next run's check tells whether it had finished)")
         return RunResult(rc, output, time.monotonic() - start)
 
     def put(self, local: Path, remote: str) -> None:

@@ -135,3 +135,55 @@ def test_interrupt_stops_the_remote_step_and_the_next_run_resumes(env: dict[str,
     assert json.loads(hist.stdout)["runs"][0]["exit_code"] == 130
     again = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
     assert "slow-marker: changed" in again.stdout
+
+
+def test_a_full_disk_is_named_with_its_free_space(env: dict[str, Path], tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "fleetcuda-test", str(small)], check=True)
+    try:
+        out = run_fleetcuda("apply", str(REPO / "tests/data/fill.yaml"), "-i", str(env["inv"]), "--var",
+                            f"dir={small}", "--plain", "--limit", "bashhost/300", state=env["state"])
+        assert out.returncode == 1
+        assert re.search(rf"disk full on bashhost/300: .*{small}: 0 MiB free of 1 MiB", out.stdout), out.stdout
+        assert not (small / "done").exists()
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def _drop_sessions(user: str) -> None:
+    """Kill the sshd processes serving `user`: the connection drops as if the link went away."""
+    subprocess.run(["pkill", "-KILL", "-f", f"^sshd: {user}"], check=False)
+
+
+def test_dropped_connection_mid_apply_is_a_clear_error_and_the_next_run_converges(
+        lab: LoopbackSshd, env: dict[str, Path]) -> None:
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320,zshhost/310"]
+    run = start("apply", SLOW, *common, "--var", "seconds=3", state=env["state"])
+    deadline = time.monotonic() + 20
+    while not _labelled("fleetcuda:slow-marker"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    _drop_sessions(lab.users["dash"])
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 3, out
+    assert re.search(r"dashhost/320 done: unreachable: fcd@\[127\.0\.0\.1\]:\d+: .*(connection lost|cannot connect)|"
+                     r"dashhost/320 done: unreachable: 127\.0\.0\.1: connection lost", out), out
+    assert "zshhost/310 done: changed" in out  # the other host finished
+    again = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
+    assert "dashhost/320 done:" in again.stdout
+
+
+def test_dropped_connection_during_a_read_only_check_is_retried(lab: LoopbackSshd, env: dict[str, Path]) -> None:
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320"]
+    run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
+    run = start("verify", SLOW, *common, "--var", "check_seconds=3", state=env["state"])
+    deadline = time.monotonic() + 20
+    while not _labelled("fleetcuda:slow-marker"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    _drop_sessions(lab.users["dash"])
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 0, out
+    log = Path(out.split("logs: ")[-1].split()[0]) / "dashhost_320.log"
+    assert "the command is read-only, so it is sent once more" in log.read_text()

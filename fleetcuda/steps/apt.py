@@ -29,6 +29,14 @@ FETCH = r"""fetch() {
 }"""
 
 
+def lock_seconds(ctx: StepContext, value: int | str) -> int:
+    """dpkg's lock (unattended-upgrades, another apt) is waited for, boundedly, and never removed."""
+    text = ctx.raw(value) if isinstance(value, str) else str(value)
+    if not text.isdigit() or int(text) > 24 * 3600:
+        raise ValueError(f"lock_timeout {text!r}: expected seconds, 0 to 86400")
+    return int(text)
+
+
 def installed(package: str) -> str:
     """Shell condition: package is installed (and at the pinned version, if `name=version`)."""
     name, _, version = package.partition("=")
@@ -45,7 +53,7 @@ class AptKeyringStep(StepSpec):
     filename: str = "cuda-keyring_1.1-1_all.deb"
     distro: str = Field(default="auto", description="like debian12 or ubuntu2404; auto reads /etc/os-release")
     keyring: str = "/usr/share/keyrings/cuda-archive-keyring.gpg"
-    lock_timeout: int = Field(default=300, ge=0, le=3600)
+    lock_timeout: int | str = Field(default=300, description="seconds to wait for dpkg's lock; never broken")
     verify: str | None = Field(default=None, description="extra condition for check and verify")
 
     def scripts(self, ctx: StepContext) -> Scripts:
@@ -64,8 +72,8 @@ class AptKeyringStep(StepSpec):
             'tmp=$(mktemp -d); trap \'rm -rf "$tmp"\' EXIT',
             'echo "fetching $url"',
             'fetch "$url" "$tmp/keyring.deb"',
-            f"{APT.format(lock=self.lock_timeout)} install -y \"$tmp/keyring.deb\"",
-            f"{APT.format(lock=self.lock_timeout)} update",
+            f"{APT.format(lock=lock_seconds(ctx, self.lock_timeout))} install -y \"$tmp/keyring.deb\"",
+            f"{APT.format(lock=lock_seconds(ctx, self.lock_timeout))} update",
         ])
         return Scripts(done, apply, done, expect=f"{self.package} installed, {ctx.raw(self.keyring)} present")
 
@@ -74,7 +82,7 @@ class AptPackagesStep(StepSpec):
     kind: Literal["apt_packages"]
     packages: list[Annotated[str, StringConstraints(min_length=1)]] = Field(min_length=1)
     update: bool = Field(default=True, description="run apt-get update before installing")
-    lock_timeout: int = Field(default=300, ge=0, le=3600)
+    lock_timeout: int | str = Field(default=300, description="seconds to wait for dpkg's lock; never broken")
     verify: str | None = Field(default=None, description="extra condition for check and verify")
 
     def scripts(self, ctx: StepContext) -> Scripts:
@@ -83,7 +91,7 @@ class AptPackagesStep(StepSpec):
             if not re.match(PACKAGE, p):
                 raise ValueError(f"{p!r} is not a Debian package name (optionally name=version)")
         done = all_of(*[installed(p) for p in packages], ctx.shell(self.verify) if self.verify else None)
-        apt = APT.format(lock=self.lock_timeout)
+        apt = APT.format(lock=lock_seconds(ctx, self.lock_timeout))
         apply = "\n".join(filter(None, [
             "set -e -o pipefail",
             NONINTERACTIVE,
