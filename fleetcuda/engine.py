@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -295,17 +296,36 @@ class Engine:
             if lock is not None:
                 cmd = lock_command(plan, lock.acquire(plan.target))
                 res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
+                if self._took_over_dead_lock(plan, res, log):
+                    res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
                 self._lock_state(plan, res)
             return {}
         cmd = batch_command(plan, probes, lock)
         res = self._exec(plan.target, "all-steps", "verify" if verify else "check", cmd, log, None)
         if lock is not None:
+            if self._took_over_dead_lock(plan, res, log):
+                res = self._exec(plan.target, "all-steps", "check", cmd, log, None)
             self._lock_state(plan, res)
         parsed = parse_batch(res.output)
         if not parsed:
             self._maybe_unreachable(res, plan.target)
             return {}
         return {i: RunResult(r.rc, r.output, r.duration_ms / 1000) for i, r in parsed.items()}
+
+    def _took_over_dead_lock(self, plan: Plan, res: RunResult, log: IO[str]) -> bool:
+        """A lock left by a run of this machine whose process is gone (killed, crashed) is taken over."""
+        assert self.lock is not None
+        for line in res.output.splitlines():
+            if not line.startswith(LOCK_MARK + " busy"):
+                continue
+            owner = line.removeprefix(LOCK_MARK + " busy ").partition(" ")[2]
+            m = re.fullmatch(r"\S+@(\S+) pid (\d+) since \S+", owner)
+            if not m or m[1] != socket.gethostname() or _alive(int(m[2])):
+                return False
+            cmd = lock_command(plan, self.lock.take_over(plan.target, owner))
+            done = self._exec(plan.target, "lock", "take-over", cmd, log, None)
+            return LOCK_MARK + " taken over" in done.output
+        return False
 
     def _lock_state(self, plan: Plan, res: RunResult) -> None:
         for line in res.output.splitlines():
@@ -505,6 +525,16 @@ def _overall(mode: Mode, steps: list[StepResult]) -> str:
         if status in statuses:
             return status
     return "ok"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _found(output: str) -> str:

@@ -177,8 +177,10 @@ class TargetLock:
     def acquire(self, target: Target) -> str:
         name = self.name(target)
         return "\n".join([
+            # A tmpfs (/run/lock, else /run) where there is one: a restart clears what a dead run left.
             f"lockdir=/run/lock/{name}",
-            f'{{ [ -d /run/lock ] && [ -w /run/lock ]; }} || lockdir="$HOME/.cache/{name}.lock"',
+            f'{{ [ -d /run/lock ] && [ -w /run/lock ]; }} || lockdir=/run/{name}',
+            f'{{ [ -d /run ] && [ -w /run ]; }} || lockdir="$HOME/.cache/{name}.lock"',
             'mkdir -p "$(dirname "$lockdir")"',
             f"deadline=$(( $(date +%s) + {int(self.wait_s)} ))",
             'while ! mkdir "$lockdir" 2>/dev/null; do',
@@ -200,9 +202,20 @@ class TargetLock:
     def release(self, target: Target) -> str:
         name = self.name(target)
         return "\n".join([
-            f"for lockdir in /run/lock/{name} \"$HOME/.cache/{name}.lock\"; do",
+            f"for lockdir in /run/lock/{name} /run/{name} \"$HOME/.cache/{name}.lock\"; do",
             f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ]; then rm -rf "$lockdir"; '
             f'echo "{LOCK_MARK} released"; fi',
+            "done",
+        ])
+
+
+    def take_over(self, target: Target, dead_owner: str) -> str:
+        """Remove a lock whose owner is known to be dead (a run on this machine that no longer exists)."""
+        name = self.name(target)
+        return "\n".join([
+            f"for lockdir in /run/lock/{name} /run/{name} \"$HOME/.cache/{name}.lock\"; do",
+            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(dead_owner)} ]; then rm -rf "$lockdir"; '
+            f'echo "{LOCK_MARK} taken over"; fi',
             "done",
         ])
 

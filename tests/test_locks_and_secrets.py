@@ -3,6 +3,7 @@ targets proceed. Secrets: never in dry-run output, logs, reports or history, yet
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -98,7 +99,8 @@ def test_secrets_are_used_but_never_shown_or_stored(env: dict[str, Path], tmp_pa
         assert token not in text and "hunter2-pw" not in text
 
 
-def _labelled(label: str) -> list[int]:
+def _labelled(label: str, vmid: int | None = None, script_has: str | None = None) -> list[int]:
+    """Processes of a step (bash's $0 is its label); with vmid, only those started by `pct exec VMID`."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -106,7 +108,8 @@ def _labelled(label: str) -> list[int]:
                 args = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if len(args) > 1 and args[-2] == label.encode():
+            if len(args) > 2 and args[-2] == label.encode() and (vmid is None or str(vmid).encode() in args) \
+                    and (script_has is None or script_has.encode() in args[-3]):
                 pids.append(int(d.name))
     return pids
 
@@ -161,7 +164,7 @@ def test_dropped_connection_mid_apply_is_a_clear_error_and_the_next_run_converge
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320,zshhost/310"]
     run = start("apply", SLOW, *common, "--var", "seconds=3", state=env["state"])
     deadline = time.monotonic() + 20
-    while not _labelled("fleetcuda:slow-marker"):
+    while not _labelled("fleetcuda:slow-marker", vmid=320, script_has="sleep 3\n"):  # the apply, not the check
         assert time.monotonic() < deadline
         time.sleep(0.1)
     _drop_sessions(lab.users["dash"])
@@ -187,3 +190,23 @@ def test_dropped_connection_during_a_read_only_check_is_retried(lab: LoopbackSsh
     assert run.returncode == 0, out
     log = Path(out.split("logs: ")[-1].split()[0]) / "dashhost_320.log"
     assert "the command is read-only, so it is sent once more" in log.read_text()
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
+    common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "bashhost/301"]
+    run = start("apply", SLOW, *common, "--var", "seconds=30", state=env["state"])
+    deadline = time.monotonic() + 20
+    while not _labelled("fleetcuda:slow-marker"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    run.kill()  # SIGKILL: no chance to clean up
+    run.wait()
+    try:
+        assert Path("/run/lock/fleetcuda-apply-301/owner").read_text().startswith("root@")
+        out = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
+        assert "bashhost/301 lock: take-over" in out.stdout
+        assert "bashhost/301 done: changed" in out.stdout
+    finally:
+        for pid in _labelled("fleetcuda:slow-marker"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 15)
