@@ -25,6 +25,8 @@ ABS_PATH = r"^/[A-Za-z0-9._/+@-]{0,4095}$"
 LOCAL_PATH = r"^[A-Za-z0-9._/+@~-][A-Za-z0-9._/+@~ -]{0,4095}$"
 # Host addresses: DNS names, IPv4, or IPv6 literals.
 ADDRESS = r"^[A-Za-z0-9][A-Za-z0-9.:-]{0,252}$"
+# Longer chains of jump hosts or nested groups are refused (they are resolved recursively).
+MAX_CHAIN = 64
 
 Name = Annotated[str, StringConstraints(pattern=SAFE_NAME)]
 VarName = Annotated[str, StringConstraints(pattern=VAR_NAME)]
@@ -230,6 +232,8 @@ def _check_jumps(doc: SourceDoc, spec: InventorySpec) -> None:
                 raise doc.error(loc, "jump hosts form a cycle: " + " -> ".join([*seen, current.jump]))
             if spec.hosts[current.jump].kind != "ssh":
                 raise doc.error(loc, f"jump host {current.jump!r} must be an ssh host")
+            if len(seen) >= MAX_CHAIN:
+                raise doc.error(loc, f"more than {MAX_CHAIN} jump hosts in a chain")
             seen.append(current.jump)
             current = spec.hosts[current.jump]
 
@@ -277,6 +281,8 @@ def _group_membership(doc: SourceDoc, spec: InventorySpec,
                 raise doc.error(loc, f"child group {child!r} is not defined")
             if child in stack:
                 raise doc.error(loc, "groups form a cycle: " + " -> ".join([*stack, child]))
+            if len(stack) >= MAX_CHAIN:
+                raise doc.error(loc, f"groups nested more than {MAX_CHAIN} deep")
             ids |= resolve(child, stack + (child,))
         resolved[group] = ids
         return ids

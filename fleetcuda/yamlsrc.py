@@ -159,16 +159,24 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
         raise yaml.MarkedYAMLError(problem=f"nested more than {MAX_DEPTH} levels deep", problem_mark=node.start_mark)
     lines[loc] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
-        loader.flatten_mapping(node)  # resolves "<<" merge keys
+        own = sum(1 for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge")
+        loader.flatten_mapping(node)  # resolves "<<" merge keys: merged pairs first, then the mapping's own
+        merged = len(node.value) - own
         out: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            # A non-scalar key is refused before it is built: building it could take exponential time.
+        from_merge: set[Any] = set()
+        for index, (key_node, value_node) in enumerate(node.value):
+            # A non-scalar key is refused unbuilt: building it could fail on a bad scalar inside (`? [!!int x]`).
             key = _scalar(loader, key_node) if isinstance(key_node, yaml.ScalarNode) else None
             if not isinstance(key, (str, int, float, bool)):
                 raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
                                            problem_mark=key_node.start_mark)
-            if key in out:
+            if key in out and key not in from_merge:
                 raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
+            # A mapping's own key overrides one merged in with `<<`, as YAML specifies.
+            if index < merged:
+                from_merge.add(key)
+            else:
+                from_merge.discard(key)
             out[key] = _build(loader, value_node, loc + (key,), lines, sequences, count)
             # Point at the key's line: that is where a reader looks for `field:`.
             lines[loc + (key,)] = key_node.start_mark.line + 1

@@ -136,3 +136,14 @@ def test_alias_bomb_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError) as info:
         load_inventory(path)
     assert "more than" in info.value.message
+
+
+def test_merge_keys_may_be_overridden_but_plain_duplicates_may_not(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text("hosts:\n  a: &base\n    address: 10.0.0.1\n    port: 22\n  b:\n    <<: *base\n    port: 2222\n")
+    inv = load_inventory(path)
+    assert {t.host: t.chain.ssh.port for t in inv.targets} == {"a": 22, "b": 2222}
+    path.write_text("hosts:\n  a:\n    address: 10.0.0.1\n    port: 22\n    port: 23\n")
+    with pytest.raises(InputError) as info:
+        load_inventory(path)
+    assert info.value.line == 5 and "duplicate key 'port'" in info.value.message
