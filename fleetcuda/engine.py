@@ -144,7 +144,7 @@ class Engine:
         results = {t.id: TargetResult(t.id) for t in self.targets}
         executor = ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="fleetcuda")
         futures: dict[Future[None], Target] = {
-            executor.submit(self._run_target, t, results[t.id]): t for t in self.targets}
+            executor.submit(self._run_target, t, results[t.id]): t for t in interleave_hosts(self.targets)}
         try:
             pending = set(futures)
             while pending:
@@ -525,6 +525,19 @@ def _overall(mode: Mode, steps: list[StepResult]) -> str:
         if status in statuses:
             return status
     return "ok"
+
+
+def interleave_hosts(targets: list[Target]) -> list[Target]:
+    """Round-robin across hosts: with --forks below the fleet's size, every host starts working (and
+    opens its one connection) at once, instead of host after host."""
+    by_host: dict[str, list[Target]] = {}
+    for t in targets:
+        by_host.setdefault(t.host, []).append(t)
+    queues = list(by_host.values())
+    out: list[Target] = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out += [q[i] for q in queues if i < len(q)]
+    return out
 
 
 def _alive(pid: int) -> bool:

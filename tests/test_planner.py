@@ -155,3 +155,14 @@ steps:
     assert wrong.returncode == 1
     assert f"pytest: found {pytest_version}, want 0.0.1" in wrong.stdout
     assert _run(steps["shows-env"].verify.argv).returncode == 0
+
+
+def test_targets_are_started_round_robin_across_hosts(tmp_path: Path) -> None:
+    from fleetcuda.engine import interleave_hosts
+
+    inv = tmp_path / "i.yaml"
+    inv.write_text("hosts:\n" + "".join(
+        f"  h{h}:\n    address: x{h}\n    containers:\n" + "".join(f"      {h}0{c}: {{}}\n" for c in range(3))
+        for h in (1, 2)))
+    order = [t.id for t in interleave_hosts(load_inventory(inv).targets)]
+    assert order == ["h1/100", "h2/200", "h1/101", "h2/201", "h1/102", "h2/202"]

@@ -5,6 +5,8 @@
     tests/lab/labctl.py reset    # every container back to bare (its overlay emptied)
     tests/lab/labctl.py down     # stop containers and sshds, remove the namespaces
     tests/lab/labctl.py down --purge   # ... and delete everything under /var/lib/fleetcuda-lab
+    tests/lab/labctl.py up --topology bench-4x16   # a benchmark fleet of its own (benchmarks/run.py);
+                                                   # down/reset/status take --topology too
 
 Lab hosts are network namespaces with their own address and their own OpenSSH sshd; containers
 are real LXC containers sharing one debootstrapped Debian 12 base through overlayfs, so each one's
@@ -73,6 +75,17 @@ HOSTS = [
     LabHost("b", 2, [User("labops", "/bin/bash", sudo="nopasswd"), User("labpw", "/bin/bash", sudo="password")],
             running=[300, 301]),
 ]
+
+
+def _bench(size: str, first: int, hosts: int, per_host: int) -> list[LabHost]:
+    # Hosts of their own (namespace, sshd, LXC path, address 10.250.<first+i>.2), alternating a's and b's logins.
+    return [LabHost(f"b{size}-{i}", first + i, [HOSTS[(i - 1) % 2].users[0]],
+                    running=[(first + i) * 100 + j for j in range(per_host)]) for i in range(1, hosts + 1)]
+
+
+# `--topology NAME`: extra fleets for benchmarks/, brought up and down on their own, each with its own
+# known_hosts (known_hosts.NAME) and marker (up.NAME); "default" is the lab above, unchanged.
+TOPOLOGIES = {"default": HOSTS, "bench-2x4": _bench("2x4", 20, 2, 4), "bench-4x16": _bench("4x16", 40, 4, 16)}
 
 
 def log(msg: str) -> None:
@@ -241,12 +254,12 @@ def ensure_sshd(host: LabHost) -> None:
             time.sleep(0.05)
 
 
-def write_known_hosts() -> None:
+def write_known_hosts(hosts: list[LabHost] = HOSTS, path: Path = KNOWN_HOSTS) -> None:
     lines = []
-    for host in HOSTS:
+    for host in hosts:
         kind, blob = (host.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
         lines.append(f"{host.address} {kind} {blob}")
-    KNOWN_HOSTS.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n")
 
 
 # -- containers ----------------------------------------------------------------------------------
@@ -266,6 +279,9 @@ def ensure_container(host: LabHost, vmid: int) -> None:
         "lxc.apparmor.profile = unconfined",
         "lxc.net.0.type = empty",
         "lxc.init.cmd = /bin/sleep infinity",
+        # A tmpfs /run, as systemd gives every Proxmox container: locks there vanish with a restart.
+        "lxc.mount.entry = tmpfs run tmpfs rw,nosuid,nodev,mode=755 0 0",
+        "lxc.mount.entry = tmpfs run/lock tmpfs rw,nosuid,nodev,noexec,mode=1777,create=dir 0 0",
         f"lxc.mount.entry = {APT_REPO} {IN_CONTAINER.lstrip('/')}/apt none bind,ro,create=dir 0 0",
         f"lxc.mount.entry = {WHEELHOUSE} {IN_CONTAINER.lstrip('/')}/wheelhouse none bind,ro,create=dir 0 0",
         "",
@@ -289,8 +305,8 @@ def stop(host: LabHost, vmid: int) -> None:
         in_ns(host, "lxc-stop", "-P", host.dir / "lxc", "-n", str(vmid), "-k", check=False)
 
 
-def reset(targets: list[str]) -> None:
-    for host in HOSTS:
+def reset(targets: list[str], hosts: list[LabHost] = HOSTS) -> None:
+    for host in hosts:
         for vmid in host.running + host.stopped:
             if targets and f"{host.name}/{vmid}" not in targets:
                 continue
@@ -307,7 +323,14 @@ def reset(targets: list[str]) -> None:
 # -- commands ------------------------------------------------------------------------------------
 
 
-def up() -> None:
+def topology_files(name: str) -> tuple[Path, Path]:
+    """known_hosts and the `up` marker of a topology."""
+    return (KNOWN_HOSTS, LAB / "up") if name == "default" else (LAB / f"known_hosts.{name}", LAB / f"up.{name}")
+
+
+def up(topology: str = "default") -> None:
+    hosts = TOPOLOGIES[topology]
+    known_hosts, marker = topology_files(topology)
     missing = [t for t in ("lxc-start", "debootstrap", "sshd", "zsh", "sudo", "nsenter", "dpkg-deb", "gpg")
                if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
     if missing:
@@ -320,7 +343,7 @@ def up() -> None:
     ensure_users()
     shutil.copyfile(HERE / "pct_lxc.py", PCT)
     PCT.chmod(0o755)
-    for host in HOSTS:
+    for host in hosts:
         ensure_netns(host)
         ensure_sshd(host)
         for vmid in host.running + host.stopped:
@@ -329,22 +352,27 @@ def up() -> None:
                 start(host, vmid)
             else:
                 stop(host, vmid)
-    write_known_hosts()
-    for host in HOSTS:
+    write_known_hosts(hosts, known_hosts)
+    for host in hosts:
         user = host.users[0].name
         probe = run("ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                    "-o", f"UserKnownHostsFile={KNOWN_HOSTS}", "-o", "IdentitiesOnly=yes", "-i", IDENTITY,
+                    "-o", f"UserKnownHostsFile={known_hosts}", "-o", "IdentitiesOnly=yes", "-i", IDENTITY,
                     "-o", "ConnectTimeout=5", f"{user}@{host.address}", "sudo -n /usr/sbin/pct list"
                     if host.users[0].sudo else "/usr/sbin/pct list", check=False)
         if probe.returncode != 0:
             raise SystemExit(f"labctl: host {host.name} is not usable over ssh: {probe.stderr.strip()}")
         log(f"host {host.name} at {host.address}: {len(probe.stdout.splitlines()) - 1} containers")
-    (LAB / "up").write_text(str(os.getpid()))
-    log(f"up; inventory: inventories/lab.yaml; known_hosts: {KNOWN_HOSTS}")
+    marker.write_text(str(os.getpid()))
+    if topology == "default":
+        log(f"up; inventory: inventories/lab.yaml; known_hosts: {KNOWN_HOSTS}")
+    else:
+        log(f"{topology} up; known_hosts: {known_hosts}")
 
 
-def down(purge: bool) -> None:
-    for host in HOSTS:
+def down(purge: bool, topology: str = "default") -> None:
+    hosts = TOPOLOGIES[topology]
+    known_hosts, marker = topology_files(topology)
+    for host in hosts:
         if Path(f"/run/netns/{host.netns}").exists():
             for vmid in host.running + host.stopped:
                 if container_dir(host, vmid).exists():
@@ -355,35 +383,44 @@ def down(purge: bool) -> None:
         run("ip", "link", "del", f"fcl-{host.name}", check=False)
         if Path(f"/run/netns/{host.netns}").exists():
             run("ip", "netns", "del", host.netns, check=False)
-    (LAB / "up").unlink(missing_ok=True)
+        if purge and topology != "default":
+            shutil.rmtree(host.dir, ignore_errors=True)
+    marker.unlink(missing_ok=True)
+    if purge and topology != "default":
+        known_hosts.unlink(missing_ok=True)
+        log(f"{topology} down and purged")
+        return
     if purge:
         SUDOERS.unlink(missing_ok=True)
         if PCT.exists() and "fleetcuda lab stand-in" in PCT.read_text(errors="replace"):
             PCT.unlink()
         shutil.rmtree(LAB, ignore_errors=True)
-    log("down" + (" and purged" if purge else ""))
+    log(("" if topology == "default" else f"{topology} ") + "down" + (" and purged" if purge else ""))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("up")
-    sub.add_parser("status")
+    u = sub.add_parser("up")
+    s = sub.add_parser("status")
     r = sub.add_parser("reset")
     r.add_argument("targets", nargs="*", help="host/vmid (default: all)")
     d = sub.add_parser("down")
     d.add_argument("--purge", action="store_true")
+    for p in (u, s, r, d):
+        p.add_argument("--topology", choices=list(TOPOLOGIES), default="default",
+                       help="which fleet (default: the lab of inventories/lab.yaml; bench-*: for benchmarks/)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("labctl: needs root")
     if args.cmd == "up":
-        up()
+        up(args.topology)
     elif args.cmd == "reset":
-        reset(args.targets)
+        reset(args.targets, TOPOLOGIES[args.topology])
     elif args.cmd == "down":
-        down(args.purge)
+        down(args.purge, args.topology)
     else:
-        for host in HOSTS:
+        for host in TOPOLOGIES[args.topology]:
             for vmid in host.running + host.stopped:
                 print(f"{host.name}/{vmid} {state(host, vmid) if Path(f'/run/netns/{host.netns}').exists() else '-'}")
 
