@@ -200,22 +200,18 @@ class TargetLock:
         ])
 
     def release(self, target: Target) -> str:
-        name = self.name(target)
-        return "\n".join([
-            f"for lockdir in /run/lock/{name} /run/{name} \"$HOME/.cache/{name}.lock\"; do",
-            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ]; then rm -rf "$lockdir"; '
-            f'echo "{LOCK_MARK} released"; fi',
-            "done",
-        ])
-
+        return self._remove_if_owned_by(target, self.owner, "released")
 
     def take_over(self, target: Target, dead_owner: str) -> str:
         """Remove a lock whose owner is known to be dead (a run on this machine that no longer exists)."""
+        return self._remove_if_owned_by(target, dead_owner, "taken over")
+
+    def _remove_if_owned_by(self, target: Target, owner: str, said: str) -> str:
         name = self.name(target)
         return "\n".join([
             f"for lockdir in /run/lock/{name} /run/{name} \"$HOME/.cache/{name}.lock\"; do",
-            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(dead_owner)} ]; then rm -rf "$lockdir"; '
-            f'echo "{LOCK_MARK} taken over"; fi',
+            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(owner)} ]; then rm -rf "$lockdir"; '
+            f'echo "{LOCK_MARK} {said}"; fi',
             "done",
         ])
 
