@@ -22,15 +22,15 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("faults")
 
 
-def labelled_anywhere(label: str) -> bool:
-    """Container processes are visible from the host's /proc: is a step with this label running?"""
+def labelled_anywhere(label: str, script_has: str) -> bool:
+    """Container processes are visible from the host's /proc: is this step's script (not its check) running?"""
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 args = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if len(args) > 1 and args[-2] == label.encode():
+            if len(args) > 2 and args[-2] == label.encode() and script_has.encode() in args[-3]:
                 return True
     return False
 
@@ -66,7 +66,7 @@ def test_container_stopped_mid_build_then_converges(state: Path) -> None:
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                            env={**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"})
     deadline = time.monotonic() + 120
-    while not labelled_anywhere("fleetcuda:causal-conv1d"):
+    while not labelled_anywhere("fleetcuda:causal-conv1d", "tar -xzf"):  # the build, not the check
         assert time.monotonic() < deadline and run.poll() is None, "the build never started"
         time.sleep(0.1)
     time.sleep(1)
