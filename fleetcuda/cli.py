@@ -148,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except InputError as exc:  # bad inventory, recipe or argument, from any command: one place, exit 2
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_INPUT
     except BrokenPipeError:  # `fleetcuda ... --dry-run | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
@@ -165,22 +168,18 @@ def _main(argv: list[str] | None = None) -> int:
         return show_history(args)
     if args.command == "schedule":
         return schedule_command(args)
-    try:
-        if args.forks < 1:
-            raise InputError("--forks", None, "", "must be at least 1")
-        recipe = load_recipe(args.recipe)
-        inventory = load_inventory(args.inventory)
-        targets = inventory.select(args.limit)
-        overrides = parse_var_overrides(args.var)
-        if args.command == "apply" and args.dry_run:
-            return dry_run(recipe, inventory, targets, overrides)
-        # Plan every target now, so a recipe that cannot be rendered is bad input before anything runs.
-        for t in targets:
-            make_plan(recipe, t, base_values(recipe, t, overrides))
-        reports = _report_targets(args) if args.command == "verify" else []
-    except InputError as exc:
-        print(f"fleetcuda: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    if args.forks < 1:
+        raise InputError("--forks", None, "", "must be at least 1")
+    recipe = load_recipe(args.recipe)
+    inventory = load_inventory(args.inventory)
+    targets = inventory.select(args.limit)
+    overrides = parse_var_overrides(args.var)
+    if args.command == "apply" and args.dry_run:
+        return dry_run(recipe, inventory, targets, overrides)
+    # Plan every target now, so a recipe that cannot be rendered is bad input before anything runs.
+    for t in targets:
+        make_plan(recipe, t, base_values(recipe, t, overrides))
+    reports = _report_targets(args) if args.command == "verify" else []
     mode = "verify" if args.command == "verify" else ("check" if args.check else "apply")
     return execute(recipe, inventory, targets, overrides, mode, args, reports)
 
@@ -205,13 +204,9 @@ def _report_targets(args: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 def trust(args: argparse.Namespace) -> int:
     """Record a host key after showing it: never silently, never from cron without a fingerprint."""
-    try:
-        inventory = load_inventory(args.inventory)
-        if args.host not in inventory.spec.hosts or inventory.spec.hosts[args.host].kind != "ssh":
-            raise InputError(args.inventory, None, "hosts", f"{args.host!r} is not an ssh host of this inventory")
-    except InputError as exc:
-        print(f"fleetcuda: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    inventory = load_inventory(args.inventory)
+    if args.host not in inventory.spec.hosts or inventory.spec.hosts[args.host].kind != "ssh":
+        raise InputError(args.inventory, None, "hosts", f"{args.host!r} is not an ssh host of this inventory")
     hop = next(t.chain.ssh for t in inventory.targets if t.host == args.host)
     assert hop is not None
     name = known_hosts_name(hop.address, hop.port)
@@ -264,9 +259,8 @@ def wheelhouse(args: argparse.Namespace) -> int:
         inventory = load_inventory(args.inventory)
         targets = inventory.select(args.limit)
         files = files_of(Path(args.dir))
-    except InputError as exc:
-        print(f"fleetcuda: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    except InputError:
+        raise  # reported by main(), exit 2
     except FleetcudaError as exc:
         print(f"fleetcuda: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -386,12 +380,8 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
 
 
 def doctor_command(args: argparse.Namespace) -> int:
-    try:
-        inventory = load_inventory(args.inventory)
-        targets = inventory.select(args.limit)
-    except InputError as exc:
-        print(f"fleetcuda: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    inventory = load_inventory(args.inventory)
+    targets = inventory.select(args.limit)
     pool = TransportPool(_transport_factory(inventory))
     reports: dict[str, dict] = {}
     code = EXIT_OK
@@ -477,9 +467,6 @@ def schedule_command(args: argparse.Namespace) -> int:
             changed = install_cron(line, args.name)
             print(("installed: " if changed else "already installed: ") + line)
         return EXIT_OK
-    except InputError as exc:
-        print(f"fleetcuda: {exc}", file=sys.stderr)
-        return EXIT_INPUT
     except ValueError as exc:
         print(f"fleetcuda: schedule: {exc}", file=sys.stderr)
         return EXIT_INPUT
