@@ -268,17 +268,28 @@ def _dt(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
 
 
+@contextmanager
+def _reading(path: str | os.PathLike[str], target_pattern: str | None) -> Iterator[sqlite3.Connection | None]:
+    """A connection for queries, with fc_match(target) for the pattern; None when there is no history yet
+    (no file, or a file whose creator has not written its schema yet)."""
+    db = Path(path)
+    if not db.exists():
+        yield None
+        return
+    with _connect(db, create=False) as conn:
+        if _check_version(conn) == 0:
+            yield None
+            return
+        conn.create_function("fc_match", 1, target_matcher(target_pattern), deterministic=True)
+        yield conn
+
+
 def recent_runs(path: str | os.PathLike[str], limit: int = 20, target_pattern: str | None = None,
                 recipe: str | None = None) -> list[RunSummary]:
     """The last `limit` runs, newest first, that included a target matching `target_pattern`."""
-    db = Path(path)
-    if not db.exists():
-        return []
-    match = target_matcher(target_pattern)
-    with _connect(db, create=False) as conn:
-        if _check_version(conn) == 0:
-            return []  # created by a process that has not written its schema yet
-        conn.create_function("fc_match", 1, match, deterministic=True)
+    with _reading(path, target_pattern) as conn:
+        if conn is None:
+            return []
         rows = conn.execute(
             "SELECT r.id, r.started_at, r.finished_at, r.mode, r.recipe_name, r.recipe_path, r.inventory_path, "
             "r.exit_code, r.run_dir, r.version FROM runs r "
@@ -309,14 +320,9 @@ def changes(path: str | os.PathLike[str], target_pattern: str | None = None, mod
     Only runs of `mode` are compared (None: any mode), since an apply's "changed" is not a verify's "ok".
     A target recorded only once has nothing to compare and yields no rows.
     """
-    db = Path(path)
-    if not db.exists():
-        return []
-    match = target_matcher(target_pattern)
-    with _connect(db, create=False) as conn:
-        if _check_version(conn) == 0:
-            return []  # created by a process that has not written its schema yet
-        conn.create_function("fc_match", 1, match, deterministic=True)
+    with _reading(path, target_pattern) as conn:
+        if conn is None:
+            return []
         # The last two runs of each (recipe, target), newest first.
         pairs = conn.execute(
             "SELECT recipe_name, target, run_id, finished_at, status, nth FROM ("
