@@ -51,3 +51,20 @@ def run_fleetcuda(*args: str, state: Path, check: bool = False, timeout: float =
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
+
+
+def labelled_pids(label: str, vmid: int | None = None, script_has: str | None = None) -> list[int]:
+    """Processes of a step, by the label fleetcuda gives it as bash's $0 (container processes are visible
+    from the host's /proc too); with vmid, only those started by `pct exec VMID`; with script_has, only
+    those whose script contains it (the apply rather than the check of the same step)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                args = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(args) > 2 and args[-2] == label.encode() and (vmid is None or str(vmid).encode() in args) \
+                    and (script_has is None or script_has.encode() in args[-3]):
+                pids.append(int(d.name))
+    return pids

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_fleetcuda
+from tests.conftest import REPO, labelled_pids, run_fleetcuda
 from tests.test_lab_e2e import GDN, INV, LAB, LABCTL, ct, lab_is_up, reset  # noqa: F401
 
 pytestmark = pytest.mark.lab
@@ -20,19 +20,6 @@ pytestmark = pytest.mark.lab
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("faults")
-
-
-def labelled_anywhere(label: str, script_has: str) -> bool:
-    """Container processes are visible from the host's /proc: is this step's script (not its check) running?"""
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                args = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if len(args) > 2 and args[-2] == label.encode() and script_has.encode() in args[-3]:
-                return True
-    return False
 
 
 def test_dpkg_lock_held_is_waited_for_then_a_clear_failure(state: Path) -> None:
@@ -66,7 +53,7 @@ def test_container_stopped_mid_build_then_converges(state: Path) -> None:
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                            env={**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"})
     deadline = time.monotonic() + 120
-    while not labelled_anywhere("fleetcuda:causal-conv1d", "tar -xzf"):  # the build, not the check
+    while not labelled_pids("fleetcuda:causal-conv1d", script_has="tar -xzf"):  # the build, not the check
         assert time.monotonic() < deadline and run.poll() is None, "the build never started"
         time.sleep(0.1)
     time.sleep(1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_fleetcuda
+from tests.conftest import REPO, labelled_pids, run_fleetcuda
 from tests.lab.sshd import LoopbackSshd
 from tests.test_e2e_ssh import write_inventory
 
@@ -99,21 +99,6 @@ def test_secrets_are_used_but_never_shown_or_stored(env: dict[str, Path], tmp_pa
         assert token not in text and "hunter2-pw" not in text
 
 
-def _labelled(label: str, vmid: int | None = None, script_has: str | None = None) -> list[int]:
-    """Processes of a step (bash's $0 is its label); with vmid, only those started by `pct exec VMID`."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                args = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if len(args) > 2 and args[-2] == label.encode() and (vmid is None or str(vmid).encode() in args) \
-                    and (script_has is None or script_has.encode() in args[-3]):
-                pids.append(int(d.name))
-    return pids
-
-
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
 def test_interrupt_stops_the_remote_step_and_the_next_run_resumes(env: dict[str, Path], signal_name: str) -> None:
     import signal
@@ -121,7 +106,7 @@ def test_interrupt_stops_the_remote_step_and_the_next_run_resumes(env: dict[str,
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320"]
     run = start("apply", SLOW, *common, "--var", "seconds=120", state=env["state"])
     deadline = time.monotonic() + 20
-    while not _labelled("fleetcuda:slow-marker", script_has="sleep 120\n"):  # the apply, not the check
+    while not labelled_pids("fleetcuda:slow-marker", script_has="sleep 120\n"):  # the apply, not the check
         assert time.monotonic() < deadline, "the step never started"
         time.sleep(0.2)
     run.send_signal(getattr(signal, signal_name))
@@ -131,7 +116,7 @@ def test_interrupt_stops_the_remote_step_and_the_next_run_resumes(env: dict[str,
     stopped = re.search(r"interrupted during slow-marker: stopped (\d+) process\(es\) labelled fleetcuda:slow-marker",
                         out)
     assert stopped and int(stopped[1]) >= 1, out
-    assert _labelled("fleetcuda:slow-marker") == []  # nothing left running on the target
+    assert labelled_pids("fleetcuda:slow-marker") == []  # nothing left running on the target
     assert not Path("/run/lock/fleetcuda-apply-320").exists()
     assert not (env["root"] / "ct320" / "slow").exists()  # nothing half-done reported as done
     hist = run_fleetcuda("history", "--format", "json", state=env["state"], check=True)
@@ -164,7 +149,7 @@ def test_dropped_connection_mid_apply_is_a_clear_error_and_the_next_run_converge
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320,zshhost/310"]
     run = start("apply", SLOW, *common, "--var", "seconds=3", state=env["state"])
     deadline = time.monotonic() + 20
-    while not _labelled("fleetcuda:slow-marker", vmid=320, script_has="sleep 3\n"):  # the apply, not the check
+    while not labelled_pids("fleetcuda:slow-marker", vmid=320, script_has="sleep 3\n"):  # the apply, not the check
         assert time.monotonic() < deadline
         time.sleep(0.1)
     _drop_sessions(lab.users["dash"])
@@ -182,7 +167,7 @@ def test_dropped_connection_during_a_read_only_check_is_retried(lab: LoopbackSsh
     run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
     run = start("verify", SLOW, *common, "--var", "check_seconds=3", state=env["state"])
     deadline = time.monotonic() + 20
-    while not _labelled("fleetcuda:slow-marker"):
+    while not labelled_pids("fleetcuda:slow-marker"):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     _drop_sessions(lab.users["dash"])
@@ -196,7 +181,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "bashhost/301"]
     run = start("apply", SLOW, *common, "--var", "seconds=30", state=env["state"])
     deadline = time.monotonic() + 20
-    while not _labelled("fleetcuda:slow-marker", script_has="sleep 30\n"):  # the apply, not the check
+    while not labelled_pids("fleetcuda:slow-marker", script_has="sleep 30\n"):  # the apply, not the check
         assert time.monotonic() < deadline
         time.sleep(0.1)
     run.kill()  # SIGKILL: no chance to clean up
@@ -207,6 +192,6 @@ def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
         assert "bashhost/301 lock: take-over" in out.stdout
         assert "bashhost/301 done: changed" in out.stdout
     finally:
-        for pid in _labelled("fleetcuda:slow-marker"):
+        for pid in labelled_pids("fleetcuda:slow-marker"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 15)
