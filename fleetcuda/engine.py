@@ -7,8 +7,10 @@ directory, which is private (0700, files 0600).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -21,6 +23,7 @@ from typing import IO, Literal
 
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
+from fleetcuda import __version__, fingerprint, transfer
 from fleetcuda.command import BuiltCommand, Invocation, build, quote, stop_invocation
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 from fleetcuda.inventory import Target
@@ -44,7 +47,9 @@ from fleetcuda.recipe import Recipe
 from fleetcuda.redact import Redactor, for_variables
 from fleetcuda.report import Reporter
 from fleetcuda.templating import TemplateError
-from fleetcuda.transport import RunResult, TransportPool
+from fleetcuda.transport import RunResult, SshTransport, TransportPool
+from fleetcuda.wheelcache import BuildBroker, CacheEntry, WheelCache
+from fleetcuda.wheelhouse import sha256
 
 Mode = Literal["apply", "check", "verify"]
 TAIL_LINES = 20
@@ -119,7 +124,8 @@ def _private_file(path: Path) -> IO[str]:
 class Engine:
     def __init__(self, recipe: Recipe, targets: list[Target], overrides: dict[str, str], mode: Mode,
                  pool: TransportPool, reporter: Reporter, run_dir: Path, forks: int = 8,
-                 home: Callable[[Target], str | None] = lambda t: None, lock: TargetLock | None = None):
+                 home: Callable[[Target], str | None] = lambda t: None, lock: TargetLock | None = None,
+                 cache: WheelCache | None = None):
         self.recipe = recipe
         self.targets = targets
         self.overrides = overrides
@@ -137,6 +143,12 @@ class Engine:
         self._plans: dict[str, Plan] = {}
         self.stopped: dict[str, str] = {}
         self.interrupted = False
+        self.cache = cache or WheelCache()
+        self.broker = BuildBroker(self.cache)
+        # A cached wheel goes to each host once, whatever the number of its containers that install it.
+        self._host_copies: dict[tuple[str, str], tuple[Target, str]] = {}
+        self._host_copy_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._host_copy_guard = threading.Lock()
 
     # -- whole run -------------------------------------------------------------------------
 
@@ -170,6 +182,7 @@ class Engine:
             self.interrupted = True
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
+            self._remove_host_copies()
             self.pool.close()
         return [results[t.id] for t in self.targets]
 
@@ -371,7 +384,11 @@ class Engine:
             return StepResult(step.name, "would-change", time.monotonic() - start,
                               "check not satisfied", _tail(res.output),
                               would_run=self._redactors.get(target.id, _NO_SECRETS)(step.apply.display))
-        res = self._apply(target, step, log)
+        done = "applied and verified"
+        if step.shared is not None:
+            res, done = self._apply_shared(target, step, log)
+        else:
+            res = self._apply(target, step, log)
         if res.rc != 0:
             self._maybe_unreachable(res, target)
             why = "timed out" if res.timed_out or res.rc == 124 else f"exit {res.rc}"
@@ -385,7 +402,7 @@ class Engine:
         if res.rc != 0:
             self._maybe_unreachable(res, target)
             return self._failed(step, "verify", res, start, "apply ran, but the verification failed")
-        return StepResult(step.name, "changed", time.monotonic() - start, "applied and verified")
+        return StepResult(step.name, "changed", time.monotonic() - start, done)
 
     def _verify_only(self, target: Target, step: PlannedStep, log: IO[str], pre: RunResult | None) -> StepResult:
         start = time.monotonic()
@@ -423,6 +440,151 @@ class Engine:
             assert isinstance(last, _Retry)
             return last.result
         raise AssertionError("unreachable")
+
+    # -- build once per ABI fingerprint ---------------------------------------------------------
+
+    def _apply_shared(self, target: Target, step: PlannedStep, log: IO[str]) -> tuple[RunResult, str]:
+        """Install the cached wheel for this target's fingerprint; or build it here (one target per fingerprint
+        builds, the others wait for it) and bring it back to the cache; or, if that gave no wheel, build here."""
+        shared = step.shared
+        assert shared is not None
+        res = self._exec(target, step.name, "fingerprint", shared.fingerprint, log, 300)
+        fp = fingerprint.parse(res.output) if res.rc == 0 else None
+        if fp is None:
+            self._maybe_unreachable(res, target)
+            log.write("# no ABI fingerprint (see above): building here, and not sharing the wheel\n")
+            return self._build_alone(target, step, log), "applied and verified (built here; no ABI fingerprint)"
+        fkey = fingerprint.key(fp)
+        log.write(f"# ABI fingerprint {fkey}: {fingerprint.describe(fp)}\n")
+
+        def waiting(builder: str) -> None:
+            log.write(f"# waiting for {builder}, which builds the wheel for fingerprint {fkey}\n")
+            self.reporter.step_started(target.id, step.name, f"waiting for the build on {builder}")
+
+        turn = self.broker.turn(fp, target.id, self.cancel.is_set, waiting)
+        if turn.role == "cancelled":
+            raise Interrupted()
+        if turn.note:
+            log.write(f"# {turn.note}\n")
+        if turn.role == "install":
+            assert turn.entry is not None
+            try:
+                res = self._install_cached(target, step, turn.entry, fp, log)
+            except FleetcudaError as exc:
+                res = RunResult(1, str(exc), 0.0)
+                log.write(f"# {exc}\n")
+            if res.rc == 0:
+                built_on = turn.entry.provenance.get("built_on", "?")
+                return res, f"installed the wheel built on {built_on} for fingerprint {fkey}"
+            log.write("# the cached wheel did not install (see above): building here instead\n")
+            return self._build_alone(target, step, log), "applied and verified (built here: the cached wheel failed)"
+        if turn.role == "build-alone":
+            return self._build_alone(target, step, log), f"applied and verified (built here: {turn.note})"
+        entry, why = None, ""
+        try:
+            res = self._apply(target, step, log)
+            if res.rc != 0:
+                why = f"the build failed on {target.id}"
+                return res, ""
+            try:
+                entry = self._publish(target, step, fp, res, log)
+            except (FleetcudaError, OSError) as exc:
+                why = f"fetching it from {target.id} failed: {exc}"
+                log.write(f"# the wheel stays installed here, but is not cached: {why}\n")
+                return res, "applied and verified (built here; the wheel could not be cached)"
+            return res, f"built here and cached for fingerprint {fkey} (sha256 {entry.sha256[:12]})"
+        finally:
+            self.broker.finished(fp, entry, why or "interrupted")
+
+    def _build_alone(self, target: Target, step: PlannedStep, log: IO[str]) -> RunResult:
+        res = self._apply(target, step, log)
+        wheel = fingerprint.parse_wheel(res.output)
+        if wheel is not None:  # nobody fetches it: remove what the build left for the control machine
+            self._cleanup_wheel(target, wheel[0], log)
+        return res
+
+    def _cleanup_wheel(self, target: Target, path: str, log: IO[str]) -> None:
+        try:
+            transfer.in_target(self.pool.get(target.host), target, f"rm -rf -- {quote(str(Path(path).parent))}",
+                               "removing the built wheel's directory", timeout=60)
+        except (FleetcudaError, OSError) as exc:
+            log.write(f"# could not remove {Path(path).parent}: {exc}\n")
+
+    def _publish(self, target: Target, step: PlannedStep, fp: dict[str, str], res: RunResult,
+                 log: IO[str]) -> CacheEntry:
+        """Bring the wheel a build left in the target to the cache, checked against the sha256 it printed."""
+        wheel = fingerprint.parse_wheel(res.output)
+        if wheel is None or not wheel[0].endswith(".whl"):
+            raise FleetcudaError("the build printed no wheel to fetch")
+        path, sha = wheel
+        try:
+            recorded = fingerprint.parse(res.output)
+            if recorded != fp:
+                raise FleetcudaError("the target's ABI fingerprint changed during the build")
+            scratch = self.cache.incoming()
+            try:
+                local = scratch / Path(path).name
+                start = time.monotonic()
+                transfer.fetch(self.pool.get(target.host), target, path, local)
+                actual = sha256(local)
+                if actual != sha:
+                    raise FleetcudaError(f"{local.name} arrived with sha256 {actual}, not the {sha} the target read")
+                entry = self.cache.store(local, fp, {
+                    "built_on": target.id, "host": target.host,
+                    "vmid": target.container.vmid if target.container else None,
+                    "built_at": _now(), "build_seconds": round(res.duration, 1), "recipe": self.recipe.path,
+                    "step": step.name, "fleetcuda": __version__})
+                log.write(f"# cached {local.name} ({entry.provenance['size']} bytes, sha256 {sha}) in {entry.path}, "
+                          f"fetched in {time.monotonic() - start:.1f}s\n")
+                return entry
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            self._cleanup_wheel(target, path, log)
+
+    def _install_cached(self, target: Target, step: PlannedStep, entry: CacheEntry, fp: dict[str, str],
+                        log: IO[str]) -> RunResult:
+        assert step.shared is not None
+        transport = self.pool.get(target.host)
+        start = time.monotonic()
+        where = transfer.in_target(transport, target, "mktemp -d /tmp/fleetcuda-wheel.XXXXXX", "mktemp", 60)
+        ct_path = f"{where.strip().splitlines()[-1]}/{entry.wheel.name}"
+        if target.container is None:
+            transfer.to_host(transport, entry.wheel, ct_path)
+        else:
+            transfer.into_container(transport, target, self._host_copy(target, entry), ct_path, perms="0600")
+        log.write(f"# {entry.wheel.name} (sha256 {entry.sha256}, built on {entry.provenance.get('built_on')} at "
+                  f"{entry.provenance.get('built_at')}) copied to {ct_path} in {time.monotonic() - start:.1f}s\n")
+        provenance = {"source": "control machine cache", "wheel_sha256": entry.sha256, "key": entry.key,
+                      "built_on": entry.provenance.get("built_on"), "built_at": entry.provenance.get("built_at")}
+        cmd = step.shared.install(ct_path, entry.sha256, json.dumps(entry.fingerprint), json.dumps(provenance))
+        res = self._exec(target, step.name, "install", cmd, log, step.timeout)
+        if res.rc == 0:
+            self.cache.note_install(entry, target.id)
+        return res
+
+    def _host_copy(self, target: Target, entry: CacheEntry) -> str:
+        """The cached wheel on the target's host, uploaded once per host and run (pct reads local files)."""
+        transport = self.pool.get(target.host)
+        if not isinstance(transport, SshTransport):
+            return str(entry.wheel)
+        slot = (target.host, entry.key)
+        with self._host_copy_guard:
+            lock = self._host_copy_locks.setdefault(slot, threading.Lock())
+        with lock:
+            if slot not in self._host_copies:
+                staging = transfer.host_staging_dir(transport, target)
+                self._host_copies[slot] = (target, staging)
+                transfer.to_host(transport, entry.wheel, f"{staging}/{entry.wheel.name}")
+            return f"{self._host_copies[slot][1]}/{entry.wheel.name}"
+
+    def _remove_host_copies(self) -> None:
+        for target, staging in list(self._host_copies.values()):
+            try:
+                transfer.remove_on_host(self.pool.get(target.host), target, staging)
+            except (FleetcudaError, OSError):
+                pass
+        self._host_copies.clear()
 
     def _free_space(self, target: Target, output: str, log: IO[str]) -> str:
         """A full disk, said plainly: which filesystem, how much is free, on which target."""
@@ -510,7 +672,7 @@ FULL_FILESYSTEMS = ('NR > 1 && $2 > 0 && $5 + 0 >= 98 '
                     '{ printf "%s: %d MiB free of %d MiB\\n", $6, $4 / 1024, $2 / 1024 }')
 
 
-SAFE_TO_RETRY = {"check", "verify", "read", "acquire"}
+SAFE_TO_RETRY = {"check", "verify", "read", "acquire", "fingerprint"}
 
 
 class _Retry(Exception):

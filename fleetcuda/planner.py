@@ -5,6 +5,7 @@ Dry-run prints exactly these commands; apply, --check and verify send exactly th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fleetcuda.command import BuiltCommand, Invocation, build, join, quote, target_argv
@@ -16,6 +17,17 @@ from fleetcuda.templating import TemplateError, render
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FALSY = {"", "0", "false", "no", "off", "none"}
 FACT_MARK = "@@fleetcuda-fact"
+
+
+@dataclass
+class SharedPlan:
+    """A step whose wheel is built once per ABI fingerprint (see steps.base.SharedBuild), as exact commands."""
+
+    package: str
+    version: str
+    fingerprint: BuiltCommand
+    build: BuiltCommand
+    install: Callable[[str, str, str, str], BuiltCommand]  # (wheel path, sha256, fingerprint json, provenance)
 
 
 @dataclass
@@ -35,6 +47,7 @@ class PlannedStep:
     # before apply (the check; the verify of an assertion step) and for `verify` (verify, else check).
     pre_probe: Invocation | None = None
     verify_probe: Invocation | None = None
+    shared: SharedPlan | None = None
 
 
 @dataclass
@@ -146,6 +159,11 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
             apply = "set -e -o pipefail\n" + apply
         planned.check, planned.apply, planned.verify = cmd(scripts.check), cmd(apply), cmd(scripts.verify)
         planned.expect = scripts.expect or step.description or "exit 0"
+        if scripts.shared is not None:
+            sb = scripts.shared
+            planned.shared = SharedPlan(
+                sb.package, sb.version, cmd(sb.fingerprint), cmd(sb.build),  # type: ignore[arg-type]
+                lambda path, sha, fp, prov, sb=sb, cmd=cmd: cmd(sb.install(path, sha, fp, prov)))  # type: ignore[misc]
         pre = scripts.check if scripts.check is not None else (scripts.verify if apply is None else None)
         post = scripts.verify if scripts.verify is not None else scripts.check
         label = f"fleetcuda:{step.name}"

@@ -284,6 +284,19 @@ class SshTransport(Transport):
             finally:
                 sftp.close()
 
+    def get(self, remote: str, local: Path) -> None:
+        """Copy a file from the host over this connection's SFTP subsystem (the local file is created 0600)."""
+        transport = self._open()
+        with self._slots:
+            sftp = paramiko.SFTPClient.from_transport(transport)
+            assert sftp is not None
+            try:
+                fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    sftp.getfo(remote, fh)
+            finally:
+                sftp.close()
+
     def abort(self) -> None:
         for chan in list(self._channels):
             chan.close()

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetcuda.command import HopChain, Invocation, build, join, join_for_paste, quote
+from fleetcuda.command import join_for_paste, quote
 from fleetcuda.errors import FleetcudaError
 from fleetcuda.inventory import Target
-from fleetcuda.planner import SYSTEM_PATH
 from fleetcuda.recipe import Recipe
 from fleetcuda.templating import render
+from fleetcuda.transfer import host_staging_dir, in_target, into_container, remove_on_host, to_host
 from fleetcuda.transport import LocalTransport, SshTransport, Transport
 
 DEFAULT_DEST = "/var/cache/fleetcuda/wheelhouse"
@@ -83,52 +82,25 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _host_chain(target: Target) -> HopChain:
-    return HopChain(ssh=target.chain.ssh)
-
-
-def _run(transport: Transport, chain: HopChain, argv: list[str], what: str) -> str:
-    """A command on the host itself (not in a container): argv through the login shell, or local."""
-    cmd = build(chain, Invocation(join(argv), {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"}))
-    res = transport.run(cmd, timeout=600, on_line=lambda line: None)
-    if res.rc != 0:
-        raise FleetcudaError(f"{what} failed (exit {res.rc}): {res.output.strip()[-500:]}")
-    return res.output
-
-
 def push(target: Target, transport: Transport, files: list[Path], dest: str,
          echo: Callable[[str], None]) -> None:
     """Copy files to `dest` in the target; containers receive them through `pct push`."""
-    host = _host_chain(target)
-    mkdir = build(target.chain, Invocation(f"umask 022; mkdir -p {quote(dest)}", {"PATH": SYSTEM_PATH}))
-    res = transport.run(mkdir, timeout=60, on_line=lambda line: None)
-    if res.rc != 0:
-        raise FleetcudaError(f"{target.id}: cannot create {dest}: {res.output.strip()[-300:]}")
+    in_target(transport, target, f"umask 022; mkdir -p {quote(dest)}", f"creating {dest}", timeout=60)
     if target.container is None:
-        if isinstance(transport, LocalTransport):
-            for f in files:
-                shutil.copyfile(f, Path(dest) / f.name)
+        for f in files:
+            to_host(transport, f, f"{dest}/{f.name}")
+            if isinstance(transport, LocalTransport):
                 os.chmod(Path(dest) / f.name, 0o644)
-        else:
-            assert isinstance(transport, SshTransport)
-            for f in files:
-                transport.put(f, f"{dest}/{f.name}")
         echo(f"{target.id}: {len(files)} file(s) in {dest}")
         return
-    staging = None
+    # Locally pct reads the files where they are; over SSH they go to a private directory on the host first.
+    staging = host_staging_dir(transport, target) if isinstance(transport, SshTransport) else None
     try:
-        if isinstance(transport, SshTransport):
-            staging = _run(transport, host, ["mktemp", "-d", "/tmp/fleetcuda-push.XXXXXX"], "mktemp").strip()
-            for f in files:
-                transport.put(f, f"{staging}/{f.name}")
-        pct = target.chain.pct
-        assert pct is not None
         for f in files:
-            src = f"{staging}/{f.name}" if staging else str(f)
-            argv = (["sudo", "-n", "--"] if pct.sudo else []) + [
-                pct.pct, "push", str(pct.vmid), src, f"{dest}/{f.name}", "--perms", "0644"]
-            _run(transport, host, argv, f"{target.id}: pct push {f.name}")
+            if staging:
+                to_host(transport, f, f"{staging}/{f.name}")
+            into_container(transport, target, f"{staging}/{f.name}" if staging else str(f), f"{dest}/{f.name}")
         echo(f"{target.id}: {len(files)} file(s) pushed into {dest}")
     finally:
         if staging:
-            _run(transport, host, ["rm", "-rf", "--", staging], "cleanup")
+            remove_on_host(transport, target, staging)

@@ -45,7 +45,8 @@ def sshd_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackSshd]
 def run_fleetcuda(*args: str, state: Path, check: bool = False, timeout: float = 600,
                   cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess, as a user runs it; its run directories go under `state`."""
-    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"}
+    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(state), "FLEETCUDA_CACHE_DIR": str(state / "wheel-cache"),
+           "COLUMNS": "200"}
     proc = subprocess.run([sys.executable, "-m", "fleetcuda", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout)
     if check:

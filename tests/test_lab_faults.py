@@ -51,7 +51,8 @@ def test_container_stopped_mid_build_then_converges(state: Path) -> None:
     target = "lab-b/301"
     run = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", GDN, "-i", INV, "--plain", "--limit", target],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                           env={**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"})
+                           env={**os.environ, "FLEETCUDA_STATE_DIR": str(state),
+                                "FLEETCUDA_CACHE_DIR": str(state / "empty-cache"), "COLUMNS": "200"})
     deadline = time.monotonic() + 120
     while not labelled_pids("fleetcuda:causal-conv1d", script_has="tar -xzf"):  # the build, not the check
         assert time.monotonic() < deadline and run.poll() is None, "the build never started"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -49,6 +49,18 @@ class StepContext:
 
 
 @dataclass
+class SharedBuild:
+    """A compiled extension built once per ABI fingerprint: scripts for the engine, which decides per target
+    whether to build (then fetch the wheel into its cache) or to install the cached wheel."""
+
+    package: str
+    version: str
+    fingerprint: str  # read-only: prints the target's fingerprint
+    build: str  # builds the wheel, installs it, records it, and leaves it for the control machine to fetch
+    install: Callable[[str, str, str, str], str]  # (wheel path in the target, sha256, fingerprint json, provenance)
+
+
+@dataclass
 class Scripts:
     check: str | None
     apply: str | None
@@ -57,6 +69,7 @@ class Scripts:
     exports: dict[str, str] = field(default_factory=dict)
     path_prepend: list[str] = field(default_factory=list)
     expect: str = ""  # what the check proves, in words
+    shared: SharedBuild | None = None
 
 
 def all_of(*conditions: str | None) -> str | None:

@@ -9,13 +9,15 @@ before `setup(` is called and refuses loudly if the file no longer looks as expe
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
 from fleetcuda.command import quote
-from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
+from fleetcuda.fingerprint import TARGET_PROGRAM, WHEEL_MARK
+from fleetcuda.steps.base import Scripts, SharedBuild, StepContext, StepSpec, all_of
 from fleetcuda.steps.pip import MODULE, check_script, truthy
 
 PACKAGE = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
@@ -81,6 +83,9 @@ print(",".join(sorted(f"{a}{b}" for a, b in caps)))' 2>/dev/null || true)
 }'''
 
 
+RESOLVE_ARCHS = 'if [ "$archs" = auto ]; then archs=$(detect_archs); archs=${archs:-none}; fi'
+
+
 class SdistBuildStep(StepSpec):
     kind: Literal["sdist_build"]
     package: Annotated[str, StringConstraints(pattern=PACKAGE)]
@@ -92,6 +97,8 @@ class SdistBuildStep(StepSpec):
     find_links: str | None = Field(default=None, description="a wheelhouse directory holding the sdist")
     no_index: bool | str = False
     cuda_archs: str = Field(default="upstream", description="upstream, auto (the GPUs present) or a list: 90,120")
+    share: bool | str = Field(default=True, description="build a wheel once per ABI fingerprint and install it on "
+                                                        "every target with the same fingerprint")
     verify: str | None = Field(default=None, description="extra condition for check and verify")
 
     def scripts(self, ctx: StepContext) -> Scripts:
@@ -101,10 +108,17 @@ class SdistBuildStep(StepSpec):
         archs = ctx.raw(self.cuda_archs).replace(" ", "")
         if not ARCHS.match(archs):
             raise ValueError(f"cuda_archs {archs!r}: expected upstream, auto, or a list like 90,120")
+        share = truthy(ctx.raw(self.share)) if isinstance(self.share, str) else self.share
         python = ctx.raw(self.python) if self.python else ctx.python
         uv = ctx.raw(self.uv) if self.uv else ctx.values.get("uv", "")
         spec = f"{self.package}=={version}"
         done = all_of(check_script(python, [spec], self.imports), ctx.shell(self.verify) if self.verify else None)
+        assert done is not None
+        prologue = [f"PYTHON={quote(python)}", f"uv={quote(uv)}", f"archs={quote(archs)}", DETECT_ARCHS]
+
+        def program(mode: str, *args: str) -> str:
+            return " ".join(['"$PYTHON" -c', quote(TARGET_PROGRAM), mode, quote(self.package), quote(version),
+                             '"$archs"', *args])
 
         find_links = ctx.raw(self.find_links) if self.find_links else ""
         index_url = ctx.raw(self.index_url) if self.index_url else ""
@@ -120,9 +134,7 @@ class SdistBuildStep(StepSpec):
         stem = self.package.replace("-", "_")
         lines = [
             "set -e -o pipefail",
-            f"PYTHON={quote(python)}",
-            f"uv={quote(uv)}",
-            f"archs={quote(archs)}",
+            *prologue,
             'work=$(mktemp -d /tmp/fleetcuda-build.XXXXXX); trap \'rm -rf "$work"\' EXIT',
             'mkdir "$work/dl" "$work/src"',
             # The sdist straight from the wheelhouse when it is there; pip download otherwise (which
@@ -137,7 +149,6 @@ class SdistBuildStep(StepSpec):
             'echo "fleetcuda: building $(basename "$sdist")"',
             'tar -xzf "$sdist" -C "$work/src"',
             'src=$(find "$work/src" -mindepth 1 -maxdepth 1 -type d | head -n 1)',
-            DETECT_ARCHS,
             'if [ "$archs" = auto ]; then',
             "  archs=$(detect_archs)",
             '  [ -n "$archs" ] || { echo "fleetcuda: cuda_archs=auto, but no GPU is visible here;'
@@ -146,15 +157,81 @@ class SdistBuildStep(StepSpec):
             'if [ "$archs" != upstream ]; then',
             f'  "$PYTHON" -c {quote(PATCH_ARCHS)} "$src/setup.py" "$archs"',
             "fi",
-            # No build cache and no isolation: built against this venv's torch, never a stale wheel.
+        ]
+        install_wheel = [
             'if [ -n "$uv" ] && [ -x "$uv" ]; then',
-            f'  "$uv" pip install --python "$PYTHON" --no-build-isolation --no-cache --no-deps --reinstall-package '
-            f'{quote(self.package)} "$src"',
+            f'  "$uv" pip install --python "$PYTHON" --no-index --no-cache --no-deps --reinstall-package '
+            f'{quote(self.package)} "$whl"',
             "else",
-            '  "$PYTHON" -m pip install --disable-pip-version-check --no-input --no-build-isolation --no-cache-dir '
-            '--no-deps --force-reinstall "$src"',
+            '  "$PYTHON" -m pip install --disable-pip-version-check --no-input --no-index --no-cache-dir --no-deps '
+            '--force-reinstall "$whl"',
             "fi",
         ]
         built_for = {"upstream": "", "auto": "; built for the GPUs present"}.get(archs, f"; built for sm_{archs}")
         expect = spec + "".join(f"; import {m}" for m in self.imports) + built_for
-        return Scripts(done, "\n".join(lines), done, expect=expect)
+        if not share:
+            # No build cache and no isolation: built against this venv's torch, never a stale wheel.
+            lines += [
+                'if [ -n "$uv" ] && [ -x "$uv" ]; then',
+                f'  "$uv" pip install --python "$PYTHON" --no-build-isolation --no-cache --no-deps '
+                f'--reinstall-package {quote(self.package)} "$src"',
+                "else",
+                '  "$PYTHON" -m pip install --disable-pip-version-check --no-input --no-build-isolation '
+                '--no-cache-dir --no-deps --force-reinstall "$src"',
+                "fi",
+            ]
+            return Scripts(done, "\n".join(lines), done, expect=expect)
+
+        # Shared: a wheel (no cache, no isolation) that this target installs, records, and leaves behind for the
+        # control machine to fetch.
+        provenance = json.dumps({"source": "built here", "built_on": ctx.values.get("target", "")})
+        lines += [
+            'mkdir "$work/wheel"',
+            'if [ -n "$uv" ] && [ -x "$uv" ]; then',
+            '  "$uv" build --wheel --no-build-isolation --no-cache --python "$PYTHON" -o "$work/wheel" "$src"',
+            "else",
+            '  "$PYTHON" -m pip wheel --disable-pip-version-check --no-input --no-build-isolation --no-cache-dir '
+            '--no-deps -w "$work/wheel" "$src"',
+            "fi",
+            'set -- "$work"/wheel/*.whl',
+            '[ "$#" = 1 ] && [ -f "$1" ] || { echo "fleetcuda: the build left no single wheel: $*" >&2; exit 1; }',
+            'keep=$(mktemp -d /tmp/fleetcuda-wheel.XXXXXX)',
+            'whl="$keep/$(basename "$1")"',
+            'mv "$1" "$whl"',
+            *install_wheel,
+            program("record", quote(provenance)),
+            f'echo "{WHEEL_MARK} $whl $(sha256sum "$whl" | cut -d " " -f 1)"',
+        ]
+        # Taken just before a build or an install: nothing is changed, so it can be re-sent.
+        fingerprint = "\n".join(["set -e", *prologue, RESOLVE_ARCHS, program("show")])
+
+        def install(path: str, sha: str, fingerprint_json: str, provenance_json: str) -> str:
+            return "\n".join([
+                "set -e -o pipefail", *prologue, RESOLVE_ARCHS,
+                f"whl={quote(path)}",
+                'trap \'rm -rf "$(dirname "$whl")"\' EXIT',
+                f'if ! printf "%s  %s\\n" {quote(sha)} "$whl" | sha256sum -c --status -; then',
+                f'  echo "fleetcuda: $whl does not have the sha256 of the cached wheel ({sha}): not installing" >&2',
+                "  exit 1",
+                "fi",
+                program("matches", quote(fingerprint_json)),
+                *install_wheel,
+                program("record", quote(provenance_json)),
+                'echo "fleetcuda: installed $(basename "$whl") from the control machine\'s cache"',
+            ])
+
+        # check and verify: installed and imports, and (when fleetcuda recorded the build) still built for this
+        # target's ABI. A stale record is said last, so it is what reports show as found.
+        check = "\n".join([
+            *prologue, RESOLVE_ARCHS,
+            f"stale=$({program('compare')} 2>&1); stale_rc=$?",
+            f"if ! (\n{done}\n); then",
+            '  [ "$stale_rc" = 0 ] || printf "%s\\n" "$stale"',
+            "  exit 1",
+            "fi",
+            'printf "%s\\n" "$stale"',
+            'exit "$stale_rc"',
+        ])
+        shared = SharedBuild(self.package, version, fingerprint, "\n".join(lines), install)
+        return Scripts(check, "\n".join(lines), check, expect=expect + "; built for this target's ABI",
+                       shared=shared)
