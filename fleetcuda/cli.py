@@ -52,6 +52,7 @@ from fleetcuda.transport import (
     known_key,
     record_host_key,
 )
+from fleetcuda.wheelcache import CacheEntry, Problem, WheelCache, render_cache
 from fleetcuda.wheelhouse import DEFAULT_DEST, files_of, plan_download, push, run_download, sha256
 
 DEFAULT_INVENTORY = "inventories/example.yaml"
@@ -132,6 +133,17 @@ def _parser() -> argparse.ArgumentParser:
     wpush.add_argument("--limit")
     wpush.add_argument("--dest", default=DEFAULT_DEST, help=f"directory on the targets (default {DEFAULT_DEST})")
 
+    cp = sub.add_parser("cache", help="wheels built on targets and kept here, by ABI fingerprint: list or prune")
+    csub = cp.add_subparsers(dest="cache_action", required=True)
+    cl = csub.add_parser("list", help="every cached wheel: fingerprint, where and when it was built, its sha256")
+    cl.add_argument("--package", help="only this package")
+    cl.add_argument("--format", choices=["table", "json"], default="table")
+    cr = csub.add_parser("prune", help="remove broken entries (and, with options, others)")
+    cr.add_argument("--older-than", type=float, metavar="DAYS", help="also entries not installed for DAYS days")
+    cr.add_argument("--package", help="also every entry of this package (with --older-than: only the old ones)")
+    cr.add_argument("--all", action="store_true", help="empty the cache")
+    cr.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+
     dp = sub.add_parser("doctor", help="per target: nvcc, torch, GPU, causal_conv1d, fla, transformers' fast path")
     dp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
     dp.add_argument("--limit")
@@ -168,6 +180,8 @@ def _main(argv: list[str] | None = None) -> int:
         return show_history(args)
     if args.command == "schedule":
         return schedule_command(args)
+    if args.command == "cache":
+        return cache_command(args)
     if args.forks < 1:
         raise InputError("--forks", None, "", "must be at least 1")
     recipe = load_recipe(args.recipe)
@@ -425,6 +439,29 @@ def show_history(args: argparse.Namespace) -> int:
 
 def _plain(row: object) -> dict[str, object]:
     return dataclasses.asdict(row)  # type: ignore[call-overload]
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    cache = WheelCache()
+    if args.cache_action == "prune":
+        if args.older_than is not None and args.older_than < 0:
+            raise InputError("--older-than", None, str(args.older_than), "must be 0 or more days")
+        removed = cache.prune(everything=args.all, older_than_days=args.older_than, package=args.package,
+                              dry_run=args.dry_run)
+        for path, why in removed:
+            print(f"{'would remove' if args.dry_run else 'removed'} {path}: {why}")
+        print(f"{len(removed)} entr{'y' if len(removed) == 1 else 'ies'} "
+              f"{'would be removed' if args.dry_run else 'removed'} from {cache.root}")
+        return EXIT_OK
+    items = [i for i in cache.entries()
+             if args.package is None or isinstance(i, Problem) or i.fingerprint.get("package") == args.package]
+    if args.format == "json":
+        print(json.dumps({"cache": str(cache.root), "entries": [
+            {"path": str(i.path), "status": "ok", **i.provenance} if isinstance(i, CacheEntry)
+            else {"path": str(i.path), "status": "broken", "why": i.why} for i in items]}, indent=2))
+        return EXIT_OK
+    render_cache(cache.root, items, Console())
+    return EXIT_OK
 
 
 def schedule_command(args: argparse.Namespace) -> int:

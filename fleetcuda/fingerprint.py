@@ -65,7 +65,8 @@ def differences(built, now):
 
 
 def record_path():
-    root = "/var/lib/fleetcuda/builds" if os.geteuid() == 0 else os.path.expanduser("~/.local/state/fleetcuda/builds")
+    root = os.environ.get("FLEETCUDA_BUILD_RECORDS") or (
+        "/var/lib/fleetcuda/builds" if os.geteuid() == 0 else os.path.expanduser("~/.local/state/fleetcuda/builds"))
     # One record per package and environment (a container may hold several venvs).
     return os.path.join(root, package + "@" + (sys.prefix.strip("/").replace("/", "_") or "root") + ".json")
 

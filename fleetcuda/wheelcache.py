@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from fleetcuda.fingerprint import FIELDS, key
 from fleetcuda.wheelhouse import sha256
 
@@ -193,6 +196,32 @@ class WheelCache:
                 if package_dir.is_dir() and not any(package_dir.iterdir()):
                     package_dir.rmdir()
         return removed
+
+
+def render_cache(root: Path, items: list[CacheEntry | Problem], console: Console) -> None:
+    if not items:
+        console.print(f"no wheels cached in {root}", markup=False)
+        return
+    table = Table(title=f"cached wheels ({root})")
+    for col in ("package", "fingerprint", "torch", "CUDA", "python", "nvcc", "archs", "built on", "built at",
+                "installs", "size", "sha256"):
+        table.add_column(col)
+    for item in items:
+        if isinstance(item, Problem):
+            table.add_row(f"[red]{item.path.parent.name}[/]", item.path.name, f"[red]broken: {item.why}[/]",
+                          *[""] * 9)
+            continue
+        p, f = item.provenance, item.fingerprint
+        table.add_row(f"{f['package']} {f['version']}", item.key, f["torch"], f["torch_cuda"], f["abi"], f["nvcc"],
+                      f["archs"], str(p.get("built_on", "?")), str(p.get("built_at", "?")), str(p.get("installs", 0)),
+                      _size(int(p.get("size", 0))), item.sha256[:12])
+    console.print(table)
+    console.print("fleetcuda cache prune: drop broken entries; --older-than DAYS, --package P or --all for more",
+                  markup=False, highlight=False)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def _epoch(stamp: str) -> float:

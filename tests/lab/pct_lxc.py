@@ -10,6 +10,7 @@ an SSH session cannot change that, while environment variables would not survive
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +144,7 @@ def cmd_push(node: Node, args: list[str]) -> None:
 
 
 def cmd_pull(node: Node, args: list[str]) -> None:
-    positional, _ = _perms(args)
+    positional, opts = _perms(args)
     if len(positional) != 3:
         fail("400 not enough arguments", "pct pull <vmid> <path> <destination> [OPTIONS]")
     vmid = parse_vmid(positional[0])
@@ -152,6 +153,12 @@ def cmd_pull(node: Node, args: list[str]) -> None:
         fail("can only pull files from a running VM")
     with open(positional[2], "wb") as out:
         rc = subprocess.run(node.attach(vmid, ["/bin/cat", "--", positional[1]], False), stdout=out).returncode
+    # Like Proxmox: --perms (octal unless 0x), --user and --group apply to the file written on the host.
+    if rc == 0 and opts.get("perms"):
+        perms = opts["perms"]
+        os.chmod(positional[2], int(perms, 16) if perms.startswith("0x") else int(perms, 8))
+    if rc == 0 and (opts.get("user") or opts.get("group")):
+        shutil.chown(positional[2], user=opts.get("user") or None, group=opts.get("group") or None)
     sys.exit(rc)
 
 
