@@ -55,8 +55,8 @@ def test_one_build_per_fingerprint_across_containers_and_hosts(state: Path) -> N
     other = installed[0][0]
     assert "waiting for the build on " + builder in first.stdout
     # The build ran only where it was built: the stand-in's compile lines are in one log.
-    assert "[fleetcuda stand-in] built for" in run_log(first, builder)
-    assert "[fleetcuda stand-in] built for" not in run_log(first, other)
+    assert "fleetcuda: building causal_conv1d-1.7.0.tar.gz" in run_log(first, builder)
+    assert "fleetcuda: building causal_conv1d-1.7.0.tar.gz" not in run_log(first, other)
 
     [entry] = cache_entries(state)
     assert entry["status"] == "ok" and entry["built_on"] == builder and entry["key"] == key
@@ -176,5 +176,5 @@ def test_without_sharing_every_target_builds(state: Path) -> None:
     assert BUILT.findall(out.stdout) == [] and INSTALLED.findall(out.stdout) == []
     assert steps_with("changed", out.stdout) == {("lab-b/300", "causal-conv1d"), ("lab-b/301", "causal-conv1d")}
     for target in ("lab-b/300", "lab-b/301"):
-        assert "[fleetcuda stand-in] built for" in run_log(out, target)
+        assert "fleetcuda: building causal_conv1d-1.7.0.tar.gz" in run_log(out, target)
     assert cache_entries(state) == []
