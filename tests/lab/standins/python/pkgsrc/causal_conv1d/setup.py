@@ -9,7 +9,8 @@
 # Then, building the wheel (CachedWheelsCommand.run): without CAUSAL_CONV1D_FORCE_BUILD=TRUE the real one tries to
 # download a prebuilt wheel from GitHub; here the same URLError is raised without any network access.  With it,
 # torch's BuildExtension checks nvcc against torch.version.cuda and "compiles" (the stand-in torch's pretend compile).
-# Stand-in additions: CAUSAL_CONV1D_STANDIN_SECONDS (pretend compile time, default 4) and causal_conv1d/_build_info.py.
+# Stand-in additions: CAUSAL_CONV1D_STANDIN_SECONDS (pretend compile time, default 4), CAUSAL_CONV1D_STANDIN_CPU_SECONDS
+# (CPU work spread over MAX_JOBS processes, default 0) and causal_conv1d/_build_info.py.
 
 # Same order as the real imports: which missing module is reported first depends on it.
 import ast  # noqa: I001
@@ -204,11 +205,28 @@ class CachedWheelsCommand(_bdist_wheel):
             super().run()
 
 
+_BURN = "import sys, time\nend = float(sys.argv[1])\nwhile time.process_time() < end:\n    sum(range(10000))\n"
+
+
+def _standin_burn_cpu(cpu_seconds: float) -> None:
+    """Stand-in addition: CAUSAL_CONV1D_STANDIN_CPU_SECONDS of CPU work over MAX_JOBS processes (default: one per
+    core), so that builds side by side compete for the cores as nvcc's jobs do; a sleep would not."""
+    if cpu_seconds <= 0:
+        return
+    jobs = os.environ.get("MAX_JOBS", "")
+    jobs_n = int(jobs) if jobs.isdigit() and int(jobs) > 0 else (os.cpu_count() or 1)
+    print(f"[fleetcuda stand-in] compiling: {cpu_seconds:g} CPU-seconds over {jobs_n} jobs", flush=True)
+    workers = [subprocess.Popen([sys.executable, "-c", _BURN, str(cpu_seconds / jobs_n)]) for _ in range(jobs_n)]
+    for w in workers:
+        w.wait()
+
+
 class StandinBuildExt(BuildExtension):
     """Stand-in addition: torch's BuildExtension plus the pretend compile time and causal_conv1d/_build_info.py."""
 
     def build_extensions(self) -> None:
         self.standin_compile_seconds = float(os.environ.get("CAUSAL_CONV1D_STANDIN_SECONDS", "4"))
+        _standin_burn_cpu(float(os.environ.get("CAUSAL_CONV1D_STANDIN_CPU_SECONDS", "0")))
         super().build_extensions()
         release = re.search(r"release (\d+\.\d+), (V[\d.]+)", get_cuda_bare_metal_version(CUDA_HOME)[0])
         # What the compile really gets: the extension's nvcc flags (an arch restriction edits those).
