@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--from-bare", action="store_true", help="also time whole converges from bare containers")
     ap.add_argument("--no-baseline", action="store_true", help="skip the share_builds=false runs")
+    ap.add_argument("--no-step", action="store_true", help="only the whole converges (with --from-bare)")
     ap.add_argument("--keep-up", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -104,11 +105,14 @@ def main() -> int:
     scenarios = {
         "1 container": (f"{first_host}/{first_vmids[0]}", [(first_host, first_vmids[0])]),
         f"{len(first_vmids)} containers, 1 host": (first_host, [(first_host, v) for v in first_vmids]),
-        f"{size.containers} containers, {len(hosts)} hosts": ("all", [(h, v) for h, vs in hosts for v in vs]),
+        f"{size.containers} containers, {len(hosts)} hosts": ("*", [(h, v) for h, vs in hosts for v in vs]),
     }
-    log("converging every container once (not timed)")
-    apply(recipe, size, env, "all")
     modes = [("shared", ())] + ([] if args.no_baseline else [("alone", ("--var", "share_builds=false"))])
+    if args.no_step:
+        modes = []
+    else:
+        log("converging every container once (not timed)")
+        apply(recipe, size, env, "*")
     runs = []
     for rnd in range(args.repeats):
         for mode, extra in modes:

@@ -320,9 +320,15 @@ def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
             if step.skipped:
                 out.write(f"{head}: skipped ({step.skipped})\n")
                 continue
-            for phase, cmd, note in (("check", step.check, "exit 0 means already satisfied"),
-                                     ("apply", step.apply, "runs only if the check fails"),
-                                     ("verify", step.verify, "must pass after apply")):
+            phases = [("check", step.check, "exit 0 means already satisfied")]
+            if step.shared is not None:
+                phases.append(("fingerprint", step.shared.fingerprint,
+                               "read-only, if the check fails: the target's ABI fingerprint. A wheel cached for it "
+                               "is pushed and installed instead of the apply below; otherwise the first target of "
+                               "a fingerprint runs the apply (a wheel build) and the others wait for its wheel"))
+            phases += [("apply", step.apply, "runs only if the check fails"),
+                       ("verify", step.verify, "must pass after apply")]
+            for phase, cmd, note in phases:
                 if cmd is not None:
                     out.write(f"{head}: {phase} ({note})\n{redact(cmd.display)}\n")
     return EXIT_OK

@@ -197,6 +197,7 @@ def test_dry_run_shows_the_wheel_build_and_share_builds_false_the_old_install(tm
     shared = run_fleetcuda(*args, state=tmp_path, check=True).stdout
     assert "pip wheel --disable-pip-version-check --no-input --no-build-isolation --no-cache-dir --no-deps" in shared
     assert fingerprint.WHEEL_MARK in shared and "stale=" in shared
+    assert "causal-conv1d (sdist_build): fingerprint (read-only, if the check fails" in shared
     alone = run_fleetcuda(*args, "--var", "share_builds=false", state=tmp_path, check=True).stdout
     assert "pip wheel" not in alone and fingerprint.WHEEL_MARK not in alone
     assert "--no-build-isolation --no-cache-dir --no-deps --force-reinstall" in alone
