@@ -14,7 +14,8 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,30 +273,30 @@ class SshTransport(Transport):
                                    "(the next run's check tells whether it had finished)")
         return RunResult(rc, output, time.monotonic() - start)
 
-    def put(self, local: Path, remote: str) -> None:
-        """Copy a file to the host over this connection's SFTP subsystem, created 0600."""
+    @contextmanager
+    def _sftp(self) -> Iterator[paramiko.SFTPClient]:
+        """This connection's SFTP subsystem, on one of its channel slots."""
         transport = self._open()
         with self._slots:
             sftp = paramiko.SFTPClient.from_transport(transport)
             assert sftp is not None
             try:
-                sftp.put(str(local), remote)
-                sftp.chmod(remote, 0o600)
+                yield sftp
             finally:
                 sftp.close()
 
+    def put(self, local: Path, remote: str) -> None:
+        """Copy a file to the host, created 0600."""
+        with self._sftp() as sftp:
+            sftp.put(str(local), remote)
+            sftp.chmod(remote, 0o600)
+
     def get(self, remote: str, local: Path) -> None:
-        """Copy a file from the host over this connection's SFTP subsystem (the local file is created 0600)."""
-        transport = self._open()
-        with self._slots:
-            sftp = paramiko.SFTPClient.from_transport(transport)
-            assert sftp is not None
-            try:
-                fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "wb") as fh:
-                    sftp.getfo(remote, fh)
-            finally:
-                sftp.close()
+        """Copy a file from the host (the local file is created 0600)."""
+        with self._sftp() as sftp:
+            fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                sftp.getfo(remote, fh)
 
     def abort(self) -> None:
         for chan in list(self._channels):
