@@ -552,7 +552,7 @@ class Engine:
         if target.container is None:
             transfer.to_host(transport, entry.wheel, ct_path)
         else:
-            transfer.into_container(transport, target, self._host_copy(target, entry), ct_path, perms="0600")
+            transfer.into_container(transport, target, self._host_copy(target, entry, log), ct_path, perms="0600")
         log.write(f"# {entry.wheel.name} (sha256 {entry.sha256}, built on {entry.provenance.get('built_on')} at "
                   f"{entry.provenance.get('built_at')}) copied to {ct_path} in {time.monotonic() - start:.1f}s\n")
         provenance = {"source": "control machine cache", "wheel_sha256": entry.sha256, "key": entry.key,
@@ -563,7 +563,7 @@ class Engine:
             self.cache.note_install(entry, target.id)
         return res
 
-    def _host_copy(self, target: Target, entry: CacheEntry) -> str:
+    def _host_copy(self, target: Target, entry: CacheEntry, log: IO[str]) -> str:
         """The cached wheel on the target's host, uploaded once per host and run (pct reads local files)."""
         transport = self.pool.get(target.host)
         if not isinstance(transport, SshTransport):
@@ -575,7 +575,10 @@ class Engine:
             if slot not in self._host_copies:
                 staging = transfer.host_staging_dir(transport, target)
                 self._host_copies[slot] = (target, staging)
+                start = time.monotonic()
                 transfer.to_host(transport, entry.wheel, f"{staging}/{entry.wheel.name}")
+                log.write(f"# uploaded {entry.wheel.name} to {target.host}:{staging} for this host's containers in "
+                          f"{time.monotonic() - start:.1f}s\n")
             return f"{self._host_copies[slot][1]}/{entry.wheel.name}"
 
     def _remove_host_copies(self) -> None:

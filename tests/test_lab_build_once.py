@@ -79,6 +79,9 @@ def test_one_build_per_fingerprint_across_containers_and_hosts(state: Path) -> N
                           "print(b.TORCH_VERSION)'").stdout.strip()
         assert info == "2.11.0+cu128"
     assert cache_entries(state)[0]["installs"] == 3
+    # The wheel went to host a once, for both of its containers.
+    logs = [run_log(second, t) for t in ("lab-a/200", "lab-a/201")]
+    assert sum(log.count(f"# uploaded {entry['wheel']} to lab-a:") for log in logs) == 1
     # No staging left anywhere: not on the hosts, not in the containers.
     assert not list(Path("/tmp").glob("fleetcuda-push.*"))
     for target in TARGETS:
