@@ -149,6 +149,7 @@ class Engine:
         self._host_copies: dict[tuple[str, str], tuple[Target, str]] = {}
         self._host_copy_locks: dict[tuple[str, str], threading.Lock] = {}
         self._host_copy_guard = threading.Lock()
+        self._host_copies_closed = False
 
     # -- whole run -------------------------------------------------------------------------
 
@@ -462,26 +463,33 @@ class Engine:
             self.reporter.step_started(target.id, step.name, f"waiting for the build on {builder}")
 
         turn = self.broker.turn(fp, target.id, self.cancel.is_set, waiting)
+        if turn.role == "build":
+            return self._build_and_publish(target, step, fp, turn.note, log)
         if turn.role == "cancelled":
             raise Interrupted()
         if turn.note:
             log.write(f"# {turn.note}\n")
-        if turn.role == "install":
-            assert turn.entry is not None
-            try:
-                res = self._install_cached(target, step, turn.entry, fp, log)
-            except FleetcudaError as exc:
-                res = RunResult(1, str(exc), 0.0)
-                log.write(f"# {exc}\n")
-            if res.rc == 0:
-                built_on = turn.entry.provenance.get("built_on", "?")
-                return res, f"installed the wheel built on {built_on} for fingerprint {fkey}"
-            log.write("# the cached wheel did not install (see above): building here instead\n")
-            return self._build_alone(target, step, log), "applied and verified (built here: the cached wheel failed)"
         if turn.role == "build-alone":
             return self._build_alone(target, step, log), f"applied and verified (built here: {turn.note})"
+        assert turn.role == "install" and turn.entry is not None
+        try:
+            res = self._install_cached(target, step, turn.entry, log)
+        except (FleetcudaError, OSError) as exc:
+            res = RunResult(1, str(exc), 0.0)
+            log.write(f"# {exc}\n")
+        if res.rc == 0:
+            built_on = turn.entry.provenance.get("built_on", "?")
+            return res, f"installed the wheel built on {built_on} for fingerprint {fkey}"
+        log.write("# the cached wheel did not install (see above): building here instead\n")
+        return self._build_alone(target, step, log), "applied and verified (built here: the cached wheel failed)"
+
+    def _build_and_publish(self, target: Target, step: PlannedStep, fp: dict[str, str], note: str,
+                           log: IO[str]) -> tuple[RunResult, str]:
+        """The build the other targets of this fingerprint wait for: whatever happens, they are told."""
         entry, why = None, ""
         try:
+            if note:
+                log.write(f"# {note}\n")
             res = self._apply(target, step, log)
             if res.rc != 0:
                 why = f"the build failed on {target.id}"
@@ -492,13 +500,17 @@ class Engine:
                 why = f"fetching it from {target.id} failed: {exc}"
                 log.write(f"# the wheel stays installed here, but is not cached: {why}\n")
                 return res, "applied and verified (built here; the wheel could not be cached)"
-            return res, f"built here and cached for fingerprint {fkey} (sha256 {entry.sha256[:12]})"
+            return res, f"built here and cached for fingerprint {fingerprint.key(fp)} (sha256 {entry.sha256[:12]})"
+        except BaseException as exc:
+            why = why or ("interrupted" if isinstance(exc, Interrupted | KeyboardInterrupt)
+                          else f"{type(exc).__name__}: {exc}")
+            raise
         finally:
-            self.broker.finished(fp, entry, why or "interrupted")
+            self.broker.finished(fp, entry, target.id, why)
 
     def _build_alone(self, target: Target, step: PlannedStep, log: IO[str]) -> RunResult:
         res = self._apply(target, step, log)
-        wheel = fingerprint.parse_wheel(res.output)
+        wheel = fingerprint.parse_wheel(res.output) if res.rc == 0 else None
         if wheel is not None:  # nobody fetches it: remove what the build left for the control machine
             self._cleanup_wheel(target, wheel[0], log)
         return res
@@ -514,7 +526,7 @@ class Engine:
                  log: IO[str]) -> CacheEntry:
         """Bring the wheel a build left in the target to the cache, checked against the sha256 it printed."""
         wheel = fingerprint.parse_wheel(res.output)
-        if wheel is None or not wheel[0].endswith(".whl"):
+        if wheel is None:
             raise FleetcudaError("the build printed no wheel to fetch")
         path, sha = wheel
         try:
@@ -542,17 +554,21 @@ class Engine:
         finally:
             self._cleanup_wheel(target, path, log)
 
-    def _install_cached(self, target: Target, step: PlannedStep, entry: CacheEntry, fp: dict[str, str],
-                        log: IO[str]) -> RunResult:
+    def _install_cached(self, target: Target, step: PlannedStep, entry: CacheEntry, log: IO[str]) -> RunResult:
         assert step.shared is not None
         transport = self.pool.get(target.host)
         start = time.monotonic()
         where = transfer.in_target(transport, target, "mktemp -d /tmp/fleetcuda-wheel.XXXXXX", "mktemp", 60)
-        ct_path = f"{where.strip().splitlines()[-1]}/{entry.wheel.name}"
-        if target.container is None:
-            transfer.to_host(transport, entry.wheel, ct_path)
-        else:
-            transfer.into_container(transport, target, self._host_copy(target, entry, log), ct_path, perms="0600")
+        ct_dir = where.strip().splitlines()[-1]
+        ct_path = f"{ct_dir}/{entry.wheel.name}"
+        try:
+            if target.container is None:
+                transfer.to_host(transport, entry.wheel, ct_path)
+            else:
+                transfer.into_container(transport, target, self._host_copy(target, entry, log), ct_path, perms="0600")
+        except BaseException:
+            self._cleanup_wheel(target, ct_path, log)  # the install script, which removes it, will not run
+            raise
         log.write(f"# {entry.wheel.name} (sha256 {entry.sha256}, built on {entry.provenance.get('built_on')} at "
                   f"{entry.provenance.get('built_at')}) copied to {ct_path} in {time.monotonic() - start:.1f}s\n")
         provenance = {"source": "control machine cache", "wheel_sha256": entry.sha256, "key": entry.key,
@@ -572,22 +588,35 @@ class Engine:
         with self._host_copy_guard:
             lock = self._host_copy_locks.setdefault(slot, threading.Lock())
         with lock:
-            if slot not in self._host_copies:
+            with self._host_copy_guard:
+                if self._host_copies_closed:
+                    raise Interrupted()
+                known = self._host_copies.get(slot)
+            if known is None:
                 staging = transfer.host_staging_dir(transport, target)
-                self._host_copies[slot] = (target, staging)
                 start = time.monotonic()
-                transfer.to_host(transport, entry.wheel, f"{staging}/{entry.wheel.name}")
+                try:
+                    transfer.to_host(transport, entry.wheel, f"{staging}/{entry.wheel.name}")
+                except BaseException:
+                    transfer.remove_on_host(transport, target, staging)
+                    raise
                 log.write(f"# uploaded {entry.wheel.name} to {target.host}:{staging} for this host's containers in "
                           f"{time.monotonic() - start:.1f}s\n")
-            return f"{self._host_copies[slot][1]}/{entry.wheel.name}"
+                # Only a complete upload is remembered (a failed one is tried again by the next container).
+                with self._host_copy_guard:
+                    self._host_copies[slot] = known = (target, staging)
+            return f"{known[1]}/{entry.wheel.name}"
 
     def _remove_host_copies(self) -> None:
-        for target, staging in list(self._host_copies.values()):
+        with self._host_copy_guard:
+            self._host_copies_closed = True
+            copies = list(self._host_copies.values())
+            self._host_copies.clear()
+        for target, staging in copies:
             try:
                 transfer.remove_on_host(self.pool.get(target.host), target, staging)
             except (FleetcudaError, OSError):
                 pass
-        self._host_copies.clear()
 
     def _free_space(self, target: Target, output: str, log: IO[str]) -> str:
         """A full disk, said plainly: which filesystem, how much is free, on which target."""

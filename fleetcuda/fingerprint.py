@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 FINGERPRINT_MARK = "@@fleetcuda-fingerprint"
 WHEEL_MARK = "@@fleetcuda-wheel"
+KEPT_WHEEL = re.compile(r"/tmp/fleetcuda-wheel\.[A-Za-z0-9]{6}/[A-Za-z0-9_.+-]+\.whl")
 
 # In the order they are shown.
 FIELDS = ("package", "version", "python", "abi", "platform", "glibc", "torch", "torch_cuda", "cxx11_abi", "nvcc",
@@ -132,7 +134,9 @@ def parse_wheel(output: str) -> tuple[str, str] | None:
     found = None
     for line in output.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[0] == WHEEL_MARK and len(parts[2]) == 64:
+        # Only where the build script puts it: the path is later removed with rm -rf.
+        if len(parts) == 3 and parts[0] == WHEEL_MARK and KEPT_WHEEL.fullmatch(parts[1]) \
+                and re.fullmatch(r"[0-9a-f]{64}", parts[2]):
             found = (parts[1], parts[2])
     return found
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from fleetcuda.command import BuiltCommand, Invocation, build, join, quote, target_argv
 from fleetcuda.inventory import Target
 from fleetcuda.recipe import AUTO, Recipe, check_fact_value
-from fleetcuda.steps import Scripts, StepContext
+from fleetcuda.steps import Scripts, StepContext, StepSpec
 from fleetcuda.templating import TemplateError, render
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -148,11 +148,11 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         if prepend:
             full_env["PATH"] = ":".join(prepend) + ":" + full_env["PATH"]
 
-        def cmd(script: str | None) -> BuiltCommand | None:
+        # The step and its environment are bound now: a shared build's install command is made at run time.
+        def cmd(script: str | None, step: StepSpec = step, env: dict[str, str] = full_env) -> BuiltCommand | None:
             if script is None:
                 return None
-            label = f"fleetcuda:{step.name}"  # noqa: B023
-            return build(target.chain, Invocation(script, full_env, timeout=step.timeout, label=label))  # noqa: B023
+            return build(target.chain, Invocation(script, env, timeout=step.timeout, label=f"fleetcuda:{step.name}"))
 
         apply = scripts.apply
         if apply is not None and step.kind == "shell":

@@ -24,7 +24,7 @@ from fabric import Config, Connection
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from fleetcuda.command import KILL_AFTER_S, BuiltCommand, SshHop
-from fleetcuda.errors import HostKeyError, UnreachableError
+from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 
 CHANNELS_PER_HOST = 8  # sshd's MaxSessions defaults to 10
 # Beyond a step's own `timeout` (enforced on the target), how long we wait before giving up on it.
@@ -282,6 +282,8 @@ class SshTransport(Transport):
             assert sftp is not None
             try:
                 yield sftp
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise FleetcudaError(f"{self.hop.address}: sftp: {exc}") from None
             finally:
                 sftp.close()
 

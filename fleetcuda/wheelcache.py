@@ -248,7 +248,7 @@ class BuildBroker:
         self.cache = cache
         self._lock = threading.Lock()
         self._building: dict[str, tuple[threading.Event, str]] = {}  # key -> (done, builder target)
-        self._failed: dict[str, str] = {}  # key -> why
+        self._failed: dict[str, tuple[str, str]] = {}  # key -> (builder, why)
         self._verified: dict[str, CacheEntry] = {}
 
     def turn(self, fingerprint: dict[str, str], target: str, cancelled: Callable[[], bool],
@@ -268,8 +268,8 @@ class BuildBroker:
                 if entry is not None:
                     return Turn("install", entry, f"waited for the build on {waited_for}" if waited_for else "")
                 if k in self._failed:
-                    return Turn("build-alone", note=f"the build on {waited_for or '?'} gave no wheel "
-                                                    f"({self._failed[k]}); building here")
+                    builder, why = self._failed[k]
+                    return Turn("build-alone", note=f"the build on {builder} gave no wheel ({why}); building here")
                 if k not in self._building:
                     self._building[k] = (threading.Event(), target)
                     return Turn("build", note=note)
@@ -280,12 +280,12 @@ class BuildBroker:
                 if cancelled():
                     return Turn("cancelled")
 
-    def finished(self, fingerprint: dict[str, str], entry: CacheEntry | None, why: str = "") -> None:
+    def finished(self, fingerprint: dict[str, str], entry: CacheEntry | None, builder: str, why: str = "") -> None:
         k = key(fingerprint)
         with self._lock:
             if entry is not None:
                 self._verified[k] = entry
             else:
-                self._failed[k] = why or "failed"
+                self._failed[k] = (builder, why or "failed")
             done, _ = self._building.pop(k, (threading.Event(), ""))
         done.set()

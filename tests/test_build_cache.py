@@ -97,8 +97,12 @@ def test_parsing_takes_only_well_formed_lines() -> None:
     assert fingerprint.parse(f"{fingerprint.FINGERPRINT_MARK} {{not json") is None
     assert fingerprint.parse(f"{fingerprint.FINGERPRINT_MARK} {json.dumps({**FP, 'torch': None})}") is None
     sha = "a" * 64
-    assert fingerprint.parse_wheel(f"x\n{fingerprint.WHEEL_MARK} /tmp/w/c.whl {sha}\n") == ("/tmp/w/c.whl", sha)
-    assert fingerprint.parse_wheel(f"{fingerprint.WHEEL_MARK} /tmp/w/c.whl abc") is None
+    kept = "/tmp/fleetcuda-wheel.Ab12Cd/causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl"
+    assert fingerprint.parse_wheel(f"x\n{fingerprint.WHEEL_MARK} {kept} {sha}\n") == (kept, sha)
+    assert fingerprint.parse_wheel(f"{fingerprint.WHEEL_MARK} {kept} abc") is None
+    # The directory is removed afterwards: a line that names anything but the build's own is not taken.
+    for elsewhere in ("/usr/lib/x.whl", "/tmp/fleetcuda-wheel.Ab12Cd/../../usr/x.whl", "/tmp/w/c.whl"):
+        assert fingerprint.parse_wheel(f"{fingerprint.WHEEL_MARK} {elsewhere} {sha}") is None, elsewhere
 
 
 def _wheel(tmp_path: Path, name: str = "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl") -> Path:
@@ -162,7 +166,7 @@ def test_one_target_builds_the_others_wait_then_install(tmp_path: Path) -> None:
         if turn.role == "build":
             time.sleep(0.5)  # the others must be waiting by now
             wheel = _wheel(tmp_path, f"w-{name.replace('/', '-')}.whl")
-            broker.finished(FP, cache.store(wheel, FP, {"built_on": name}))
+            broker.finished(FP, cache.store(wheel, FP, {"built_on": name}), name)
 
     threads = [threading.Thread(target=target, args=(f"h/{i}",), daemon=True) for i in range(6)]
     for t in threads:
@@ -183,13 +187,29 @@ def test_waiters_build_for_themselves_when_the_build_gives_no_wheel(tmp_path: Pa
     waiter = threading.Thread(target=lambda: results.append(broker.turn(FP, "h/1", lambda: False).note), daemon=True)
     waiter.start()
     time.sleep(0.3)
-    broker.finished(FP, None, "the build failed on h/0")
+    broker.finished(FP, None, "h/0", "the build failed on h/0")
     waiter.join(5)
     assert results == ["the build on h/0 gave no wheel (the build failed on h/0); building here"]
     cancelled = threading.Event()
     assert broker.turn({**FP, "archs": "90"}, "h/2", cancelled.is_set).role == "build"
     cancelled.set()
     assert broker.turn({**FP, "archs": "90"}, "h/3", cancelled.is_set).role == "cancelled"
+
+
+def test_the_install_of_a_cached_wheel_runs_as_its_own_step() -> None:
+    """The install command is made at run time: it must carry its own step's label, timeout and environment."""
+    from fleetcuda.inventory import load_inventory
+    from fleetcuda.planner import base_values, make_plan
+    from fleetcuda.recipe import load_recipe
+
+    recipe = load_recipe("recipes/gdn-fastpath.yaml")
+    [target] = load_inventory("inventories/lab.yaml").select("lab-a/200")
+    plan = make_plan(recipe, target, base_values(recipe, target, {}))
+    [step] = [s for s in plan.steps if s.shared is not None]
+    install = step.shared.install("/tmp/fleetcuda-wheel.abcdef/x.whl", "a" * 64, json.dumps(FP), "{}")
+    assert step.name == "causal-conv1d" and install.label == step.apply.label == "fleetcuda:causal-conv1d"
+    assert "timeout -k 10 7200" in install.display and "MAX_JOBS=2" in install.display
+    assert "CAUSAL_CONV1D_FORCE_BUILD=TRUE" in install.display and "CUDA_HOME=/usr/local/cuda-12.8" in install.display
 
 
 def test_dry_run_shows_the_wheel_build_and_share_builds_false_the_old_install(tmp_path: Path) -> None:

@@ -195,12 +195,16 @@ class SdistBuildStep(StepSpec):
             "fi",
             'set -- "$work"/wheel/*.whl',
             '[ "$#" = 1 ] && [ -f "$1" ] || { echo "fleetcuda: the build left no single wheel: $*" >&2; exit 1; }',
+            # Left for the control machine only once everything here succeeded; removed on any failure.
             'keep=$(mktemp -d /tmp/fleetcuda-wheel.XXXXXX)',
+            'trap \'rm -rf "$work"; [ "${published:-}" = 1 ] || rm -rf "$keep"\' EXIT',
             'whl="$keep/$(basename "$1")"',
             'mv "$1" "$whl"',
             *install_wheel,
             program("record", quote(provenance)),
-            f'echo "{WHEEL_MARK} $whl $(sha256sum "$whl" | cut -d " " -f 1)"',
+            'sha=$(sha256sum "$whl" | cut -d " " -f 1)',
+            "published=1",
+            f'echo "{WHEEL_MARK} $whl $sha"',
         ]
         # Taken just before a build or an install: nothing is changed, so it can be re-sent.
         fingerprint = "\n".join(["set -e", *prologue, RESOLVE_ARCHS, program("show")])
