@@ -545,7 +545,7 @@ class Engine:
                     "built_on": target.id, "host": target.host,
                     "vmid": target.container.vmid if target.container else None,
                     "built_at": _now(), "build_seconds": round(res.duration, 1), "recipe": self.recipe.path,
-                    "step": step.name, "fleetcuda": __version__})
+                    "step": step.name, "fleetcuda": __version__}, sha=actual)
                 log.write(f"# cached {local.name} ({entry.provenance['size']} bytes, sha256 {sha}) in {entry.path}, "
                           f"fetched in {time.monotonic() - start:.1f}s\n")
                 return entry

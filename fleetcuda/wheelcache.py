@@ -115,8 +115,10 @@ class WheelCache:
             return Problem(where, f"{PROVENANCE} is unreadable: {exc}")
         return CacheEntry(where, wheel, provenance)
 
-    def store(self, wheel_file: Path, fingerprint: dict[str, str], provenance: dict) -> CacheEntry:
-        """Move a fetched wheel into the cache (replacing any entry for the fingerprint), atomically."""
+    def store(self, wheel_file: Path, fingerprint: dict[str, str], provenance: dict,
+              sha: str | None = None) -> CacheEntry:
+        """Move a fetched wheel into the cache (replacing any entry for the fingerprint), atomically.
+        `sha`: its sha256 when the caller has just checked it (a wheel can be hundreds of MB: hashed once)."""
         self._private_root()
         final = self.entry_dir(fingerprint)
         final.parent.mkdir(exist_ok=True, mode=0o700)
@@ -125,7 +127,7 @@ class WheelCache:
             wheel = staging / wheel_file.name
             shutil.move(str(wheel_file), wheel)
             os.chmod(wheel, 0o600)
-            data = {**provenance, "wheel": wheel.name, "sha256": sha256(wheel), "size": wheel.stat().st_size,
+            data = {**provenance, "wheel": wheel.name, "sha256": sha or sha256(wheel), "size": wheel.stat().st_size,
                     "fingerprint": {k: fingerprint[k] for k in FIELDS}, "key": key(fingerprint),
                     "stored_at": _now(), "last_used": _now(), "installs": 0}
             _write_json(staging / PROVENANCE, data)
@@ -136,9 +138,7 @@ class WheelCache:
             staging.rename(final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        entry = self._read(final)
-        assert isinstance(entry, CacheEntry), entry
-        return entry
+        return CacheEntry(final, final / data["wheel"], data)
 
     def incoming(self) -> Path:
         """A private scratch directory inside the cache for a wheel being fetched."""
