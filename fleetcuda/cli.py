@@ -170,18 +170,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "trust":
-        return trust(args)
-    if args.command == "wheelhouse":
-        return wheelhouse(args)
-    if args.command == "doctor":
-        return doctor_command(args)
-    if args.command == "history":
-        return show_history(args)
-    if args.command == "schedule":
-        return schedule_command(args)
-    if args.command == "cache":
-        return cache_command(args)
+    # Commands that take no recipe; apply and verify follow.
+    other = {"trust": trust, "wheelhouse": wheelhouse, "doctor": doctor_command, "history": show_history,
+             "schedule": schedule_command, "cache": cache_command}.get(args.command)
+    if other is not None:
+        return other(args)
     if args.forks < 1:
         raise InputError("--forks", None, "", "must be at least 1")
     recipe = load_recipe(args.recipe)
