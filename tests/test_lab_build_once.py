@@ -181,3 +181,21 @@ def test_without_sharing_every_target_builds(state: Path) -> None:
     for target in ("lab-b/300", "lab-b/301"):
         assert "fleetcuda: building causal_conv1d-1.7.0.tar.gz" in run_log(out, target)
     assert cache_entries(state) == []
+
+
+def test_when_the_awaited_build_fails_each_target_builds_for_itself(state: Path) -> None:
+    # sm_89 is not offered by causal-conv1d's setup.py: the build fails wherever it runs.
+    for target in ("lab-b/300", "lab-b/301"):
+        ct(target, "/root/venv/bin/pip uninstall -y -q causal-conv1d")
+    out = run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", "lab-b", "--var", "cuda_archs=89",
+                        state=state)
+    assert out.returncode == 1
+    logs = {t: run_log(out, t) for t in ("lab-b/300", "lab-b/301")}
+    alone = [t for t, text in logs.items() if "gave no wheel" in text]
+    assert len(alone) == 1, out.stdout
+    [builder] = set(logs) - set(alone)
+    assert f"# the build on {builder} gave no wheel (the build failed on {builder}); building here" in logs[alone[0]]
+    for text in logs.values():
+        assert "setup.py does not build for sm_89" in text
+    assert cache_entries(state) == []
+    assert run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", "lab-b", state=state).returncode == 0
