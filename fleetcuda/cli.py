@@ -8,29 +8,40 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import getpass
 import json
 import os
+import secrets
 import shutil
 import signal
-import socket
 import sys
+import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-import paramiko
 from rich.console import Console
 
 from fleetcuda import __version__, doctor
 from fleetcuda.engine import Engine, exit_code, make_run_dir, state_dir
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
-from fleetcuda.history import changes, default_history_path, recent_runs, record, render_history
+from fleetcuda.framing import new_nonce
+from fleetcuda.history import (
+    HistoryError,
+    changes,
+    check_output_path,
+    check_state_dir,
+    default_history_path,
+    recent_runs,
+    record,
+    render_history,
+)
 from fleetcuda.inventory import Inventory, Target, load_inventory
-from fleetcuda.planner import TargetLock, base_values, make_plan, pending_facts
+from fleetcuda.locks import TargetLock, run_owner
+from fleetcuda.planner import base_values, make_plan, pending_facts
 from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
-from fleetcuda.redact import for_variables
+from fleetcuda.redact import Redactor
 from fleetcuda.report import PlainReporter, Reporter, RichReporter, summary
 from fleetcuda.reports import RunInfo, render_table, to_json, to_junit, to_prometheus, write_atomically
+from fleetcuda.results import ExitStatus
 from fleetcuda.schedule import (
     ScheduleError,
     cron_line,
@@ -41,22 +52,14 @@ from fleetcuda.schedule import (
     show_cron,
     show_systemd,
 )
-from fleetcuda.transport import (
-    LocalTransport,
-    SshTransport,
-    Transport,
-    TransportPool,
-    fetch_host_key,
-    fingerprint,
-    known_hosts_name,
-    known_key,
-    record_host_key,
-)
+from fleetcuda.transport import LocalTransport, SshTransport, Transport, TransportPool
+from fleetcuda.trust import trust as trust_host
 from fleetcuda.wheelcache import CacheEntry, Problem, WheelCache, render_cache
 from fleetcuda.wheelhouse import DEFAULT_DEST, files_of, plan_download, push, run_download, sha256
 
 DEFAULT_INVENTORY = "inventories/example.yaml"
-EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = (
+    ExitStatus.OK, ExitStatus.FAILED, ExitStatus.INPUT, ExitStatus.UNREACHABLE, ExitStatus.INTERRUPTED)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,19 +156,42 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("host", help="a host name of the inventory")
     tp.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY))
     tp.add_argument("--fingerprint", help="record the key only if its SHA256 fingerprint is this one")
-    tp.add_argument("--yes", action="store_true", help="record without asking (after checking the fingerprint!)")
+    tp.add_argument("--yes", action="store_true",
+                    help="record without asking; only together with --fingerprint (never an unseen key)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The one error boundary: every exception of every command becomes an exit status here."""
     try:
-        return _main(argv)
-    except InputError as exc:  # bad inventory, recipe or argument, from any command: one place, exit 2
-        print(f"fleetcuda: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+        return int(_main(argv))
+    except InputError as exc:  # bad inventory, recipe or argument, from any command: exit 2
+        _say(f"fleetcuda: {exc}")
+        return ExitStatus.INPUT
+    except (UnreachableError, HostKeyError) as exc:
+        _say(f"fleetcuda: {exc}")
+        return ExitStatus.UNREACHABLE
+    except FleetcudaError as exc:
+        _say(f"fleetcuda: {exc}")
+        return ExitStatus.FAILED
     except BrokenPipeError:  # `fleetcuda ... --dry-run | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        return ExitStatus.OK
+    except KeyboardInterrupt:
+        _say("fleetcuda: interrupted")
+        return ExitStatus.INTERRUPTED
+    except SystemExit:
+        raise
+    except Exception as exc:
+        if os.environ.get("FLEETCUDA_DEBUG"):
+            traceback.print_exc()
+        _say(f"fleetcuda: internal error (a bug; FLEETCUDA_DEBUG=1 shows where): {type(exc).__name__}: {exc}")
+        return ExitStatus.INTERNAL
+
+
+def _say(text: str) -> None:
+    """One line on stderr, 7-bit: whatever bytes a message carries, it cannot garble the terminal."""
+    sys.stderr.write(text.encode("ascii", "backslashreplace").decode("ascii") + "\n")
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -197,57 +223,27 @@ REPORTERS = {"json": to_json, "junit": to_junit, "prometheus": to_prometheus}
 def _report_targets(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(format, path or None for stdout) for each report this verify run writes."""
     out: list[tuple[str, str | None]] = []
+    # Report paths are checked now: a report that cannot be written after the run is lost, and so is its history.
     if args.format != "table":
+        if args.output:
+            check_output_path("--output", args.output)
         out.append((args.format, args.output))
     elif args.output:
         raise InputError("--output", None, "", "needs --format json, junit or prometheus")
     for item in args.report:
         fmt, sep, path = item.partition("=")
         if not sep or fmt not in REPORTERS or not path:
-            raise InputError("--report", None, item[:60], "expected FORMAT=PATH with FORMAT json, junit or prometheus")
+            shown = item[:60] if item[:60].isprintable() else ascii(item[:60])
+            raise InputError("--report", None, shown, "expected FORMAT=PATH with FORMAT json, junit or prometheus")
+        check_output_path("--report", path)
         out.append((fmt, path))
+    check_state_dir()  # where the run's logs and history go
     return out
 
 
 def trust(args: argparse.Namespace) -> int:
     """Record a host key after showing it: never silently, never from cron without a fingerprint."""
-    inventory = load_inventory(args.inventory)
-    if args.host not in inventory.spec.hosts or inventory.spec.hosts[args.host].kind != "ssh":
-        raise InputError(args.inventory, None, "hosts", f"{args.host!r} is not an ssh host of this inventory")
-    hop = next(t.chain.ssh for t in inventory.targets if t.host == args.host)
-    assert hop is not None
-    name = known_hosts_name(hop.address, hop.port)
-    try:
-        key = fetch_host_key(hop)
-    except (OSError, paramiko.SSHException) as exc:
-        print(f"fleetcuda: {name}: cannot connect: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    shown = f"{key.get_name()} {fingerprint(key)}"
-    existing = known_key(hop)
-    if existing is not None:
-        if existing.asbytes() == key.asbytes():
-            print(f"{name} is already trusted: {shown}")
-            return EXIT_OK
-        print(f"fleetcuda: {name} presents {shown}, but {hop.known_hosts} holds {fingerprint(existing)}: "
-              "refusing; remove the old line by hand if the host was really reinstalled", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    print(f"{name} presents {shown}")
-    if args.fingerprint:
-        if args.fingerprint != fingerprint(key):
-            print(f"fleetcuda: fingerprint mismatch: expected {args.fingerprint}; nothing recorded", file=sys.stderr)
-            return EXIT_UNREACHABLE
-    elif not args.yes:
-        if not sys.stdin.isatty():
-            print("fleetcuda: not recording without a terminal to confirm; pass --fingerprint SHA256:...",
-                  file=sys.stderr)
-            return EXIT_INPUT
-        if input(f"Record this key for {name}? Compare it with the host's own `ssh-keygen -lf` first. [y/N] ") \
-                .strip().lower() not in ("y", "yes"):
-            print("nothing recorded")
-            return EXIT_FAILED
-    path = record_host_key(hop, key)
-    print(f"recorded in {path}")
-    return EXIT_OK
+    return trust_host(args.inventory, args.host, expected=args.fingerprint, yes=args.yes)
 
 
 def wheelhouse(args: argparse.Namespace) -> int:
@@ -256,6 +252,8 @@ def wheelhouse(args: argparse.Namespace) -> int:
             recipe = load_recipe(args.recipe)
             values = {**recipe.defaults, **parse_var_overrides(args.var)}
             dest = Path(args.dir)
+            if dest.exists() and not dest.is_dir():
+                raise InputError("wheelhouse build", None, "DIR", f"{dest} is not a directory")
             dest.mkdir(parents=True, exist_ok=True)
             plan = plan_download(recipe, values, dest, python=args.python, python_version=args.python_version,
                                  platforms=args.platform, pip_args=args.pip_arg)
@@ -298,11 +296,13 @@ def _home(target: Target) -> str | None:
 def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str]) -> int:
     out = sys.stdout
     out.write(f"# fleetcuda apply {recipe.path} --dry-run: {len(targets)} target(s) from {inventory.path}\n")
-    out.write("# Each command line below can be pasted into bash or zsh; apply sends exactly these.\n")
+    out.write("# Each command line below can be pasted into bash or zsh; apply sends exactly these, but for the\n"
+              "# run id in labels (@...) and the frame nonce, which are new each run. Secrets are read from stdin.\n")
+    run_id, nonce = secrets.token_hex(4), new_nonce()
     for t in targets:
         values = base_values(recipe, t, overrides)
-        plan = make_plan(recipe, t, values, _home(t))
-        redact = for_variables(values, recipe.env)
+        plan = make_plan(recipe, t, values, _home(t), run_id=run_id, nonce=nonce)
+        redact = Redactor(plan.secrets)
         out.write(f"\n# target {t.id}{f' ({t.name})' if t.name else ''}\n")
         for name in pending_facts(recipe, values):
             out.write(f"# {name}=auto is read from the target at run time; commands below show it as 'auto'"
@@ -351,8 +351,7 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
         reporter = PlainReporter(stream=sys.stderr if to_stdout else sys.stdout, show_output=args.show_output)
     run_dir = make_run_dir(mode, recipe.name)
     pool = TransportPool(_transport_factory(inventory))
-    owner = f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()} since {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
-    lock = TargetLock(owner, wait_s=getattr(args, "lock_wait", 0)) if mode == "apply" else None
+    lock = TargetLock(run_owner(), wait_s=getattr(args, "lock_wait", 0)) if mode == "apply" else None
     engine = Engine(recipe, targets, overrides, mode, pool, reporter, run_dir,  # type: ignore[arg-type]
                     forks=args.forks, home=_home, lock=lock)
 
@@ -360,13 +359,24 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    previous_int = signal.getsignal(signal.SIGINT)
     started = datetime.now(UTC)
-    reporter.start(mode, recipe.path, [t.id for t in targets])
     try:
-        results = engine.run()
+        reporter.start(mode, recipe.path, [t.id for t in targets])
+        try:
+            results = engine.run()
+        finally:
+            reporter.stop()
+        return _finish(engine, results, recipe, inventory, targets, mode, args, reports, console, started, run_dir)
     finally:
+        # After an interruption the engine ignores further signals until the run is recorded: now it is.
         signal.signal(signal.SIGTERM, previous)
-        reporter.stop()
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def _finish(engine: Engine, results: list, recipe: Recipe, inventory: Inventory, targets: list[Target], mode: str,
+            args: argparse.Namespace, reports: list[tuple[str, str | None]], console: Console, started: datetime,
+            run_dir: Path) -> int:
     if engine.interrupted:
         console.print("[magenta]interrupted[/]: what had run, and what was stopped on each target:")
         for line in engine_results_snapshot(engine, targets):
@@ -378,15 +388,24 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
         render_table(info, results, console)
     else:
         summary(results, console)
+    # Each output is written whatever happened to the one before: a report that cannot be written must not
+    # cost the history record, nor the history the report.
     for fmt, path in reports:
         text = REPORTERS[fmt](info, results)
-        if path is None:
-            sys.stdout.write(text)
-        else:
-            # node_exporter's textfile collector runs as another user: a metrics file must be readable.
-            write_atomically(path, text, mode=0o644 if fmt == "prometheus" else 0o600)
+        try:
+            if path is None:
+                sys.stdout.write(text)
+            else:
+                # node_exporter's textfile collector runs as another user: a metrics file must be readable.
+                write_atomically(path, text, mode=0o644 if fmt == "prometheus" else 0o600)
+        except OSError as exc:
+            _say(f"fleetcuda: could not write the {fmt} report to {path}: {exc}")
+            code = ExitStatus.FAILED if code == ExitStatus.OK else code
     if mode != "check" and not getattr(args, "no_history", False):
-        record(default_history_path(), info, results)
+        try:
+            record(default_history_path(), info, results)
+        except Exception as exc:  # sqlite3.Error, OSError: the run's result stands; say what was not kept
+            _say(f"fleetcuda: warning: this run was not recorded in {default_history_path()}: {exc}")
     if not (mode == "verify" and args.format == "table"):  # the table already says where the logs are
         console.print(f"logs: {run_dir}", markup=False, highlight=False)
     return code
@@ -420,9 +439,14 @@ def doctor_command(args: argparse.Namespace) -> int:
 
 
 def show_history(args: argparse.Namespace) -> int:
+    check_state_dir()
     path = default_history_path()
-    runs = recent_runs(path, limit=args.runs, target_pattern=args.limit)
-    diffs = changes(path, target_pattern=args.limit)
+    try:
+        runs = recent_runs(path, limit=args.runs, target_pattern=args.limit)
+        diffs = changes(path, target_pattern=args.limit)
+    except HistoryError as exc:
+        print(f"fleetcuda: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if args.format == "json":
         print(json.dumps({"history": str(path), "runs": [_plain(r) for r in runs],
                           "changes": [_plain(c) for c in diffs]}, indent=2, default=str))
@@ -464,6 +488,8 @@ def cache_command(args: argparse.Namespace) -> int:
 
 
 def schedule_command(args: argparse.Namespace) -> int:
+    if not args.systemd:
+        check_state_dir()  # the crontab's lock, and install's reports, are kept there
     try:
         if args.action == "show":
             found = show_systemd(args.name, args.unit_dir) if args.systemd else show_cron(args.name)
@@ -484,7 +510,11 @@ def schedule_command(args: argparse.Namespace) -> int:
             raise InputError("schedule install", None, "recipe", "name the recipe to verify")
         load_recipe(args.recipe)
         load_inventory(args.inventory)
+        check_state_dir()
         reports = Path(args.reports_dir) if args.reports_dir else state_dir() / "reports"
+        if reports.exists() and not reports.is_dir():
+            raise InputError("--reports-dir" if args.reports_dir else "FLEETCUDA_STATE_DIR", None, "",
+                             f"{reports} is not a directory")
         argv = [_fleetcuda_executable(), "verify", str(Path(args.recipe).resolve()), "-i",
                 str(Path(args.inventory).resolve()), "--plain",
                 "--report", f"json={reports / (args.name + '.json')}",
@@ -506,7 +536,7 @@ def schedule_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fleetcuda: schedule: {exc}", file=sys.stderr)
         return EXIT_INPUT
-    except ScheduleError as exc:
+    except (ScheduleError, OSError) as exc:
         print(f"fleetcuda: schedule: {exc}", file=sys.stderr)
         return EXIT_FAILED
 

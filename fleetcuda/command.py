@@ -49,11 +49,19 @@ def quote_for_paste(word: str) -> str:
         raise ValueError("a NUL byte cannot be passed in a command")
     if _PLAIN_WORD.match(word):
         return word
-    if not any(c in word for c in "'!\\") and all(c.isprintable() for c in word):
+    if not any(c in word for c in "'!\\") and all(c.isprintable() and c.isascii() for c in word):
         return "'" + word + "'"
     out = []
     for c in word:
-        if c == "\\":
+        if not c.isascii():
+            # 7-bit ASCII on screen, whatever the locale: each byte of its UTF-8 (or the original byte, for a
+            # lone surrogate from argv) as \xHH, which bash and zsh turn back into the same bytes.
+            try:
+                raw = c.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raw = c.encode("utf-8", "surrogatepass")
+            out.append("".join(f"\\x{b:02x}" for b in raw))
+        elif c == "\\":
             out.append("\\\\")
         elif c == "'":
             out.append("\\'")
@@ -104,34 +112,61 @@ class HopChain:
 
 @dataclass(frozen=True)
 class Invocation:
-    """What runs inside the target: a bash script with exactly this environment."""
+    """What runs inside the target: a bash script with exactly this environment.
+
+    `shell_vars` are set (not exported) before the script, each value quoted once: what `{{ x }}` in a
+    script refers to. Secrets never appear on a command line, where anyone on the target could read
+    them with `ps`: `secret_env` (exported) and `secret_vars` (not) are read from stdin, NUL-separated,
+    by the first lines of the script."""
 
     script: str
     env: Mapping[str, str] = field(default_factory=dict)
     timeout: int | None = None
     # bash's $0, the last word of the command line: lets an interrupted run find what it left running.
     label: str = "fleetcuda"
+    shell_vars: Mapping[str, str] = field(default_factory=dict)
+    secret_env: Mapping[str, str] = field(default_factory=dict)
+    secret_vars: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def stdin(self) -> str:
+        """What must be written to the command's stdin (then closed): the secrets, in prologue order."""
+        return "".join(v + "\0" for v in [*self.secret_vars.values(), *self.secret_env.values()])
+
+    def full_script(self) -> str:
+        lines = [f"{name}={quote(value)}" for name, value in self.shell_vars.items()]
+        for name in [*self.secret_vars, *self.secret_env]:
+            _check_env_name(name)
+            lines.append(f"IFS= read -r -d '' {name}")
+        if self.secret_env:
+            lines.append("export " + " ".join(self.secret_env))
+        return "".join(line + "\n" for line in lines) + self.script
 
 
 @dataclass(frozen=True)
 class BuiltCommand:
     argv: tuple[str, ...]  # what the host (or the local machine) must execute
     remote: str | None  # exact string for the SSH exec channel; None for local targets
-    display: str  # one line a user can paste into bash or zsh for the same effect
+    display: str  # one line a user can paste into bash or zsh for the same effect (secrets: from stdin)
     label: str = "fleetcuda"  # the target-side label of what runs (see stop_invocation)
+    stdin: str = ""  # written to the command's stdin, which is then closed: never shown, never logged
+
+
+def _check_env_name(name: str) -> None:
+    if not _ENV_NAME.match(name):
+        raise ValueError(f"invalid environment variable name {name!r}")
 
 
 def target_argv(inv: Invocation) -> list[str]:
     """argv that starts bash inside the target with a cleared, explicit environment."""
     argv = [ENV, "-i"]
     for name, value in inv.env.items():
-        if not _ENV_NAME.match(name):
-            raise ValueError(f"invalid environment variable name {name!r}")
+        _check_env_name(name)
         argv.append(f"{name}={value}")
     if inv.timeout:
         argv += [TIMEOUT, "-k", str(KILL_AFTER_S), str(int(inv.timeout))]
     # Not a login shell and no rc files: nothing from /etc/profile.d, by design.
-    argv += [BASH, "--noprofile", "--norc", "-c", inv.script, inv.label]
+    argv += [BASH, "--noprofile", "--norc", "-c", inv.full_script(), inv.label]
     return argv
 
 
@@ -158,7 +193,17 @@ echo "stopped $first process(es) labelled $label; $left needed KILL"
 def stop_invocation(label: str) -> Invocation:
     """What fleetcuda runs in a target to stop the step labelled `label` (after Ctrl-C or SIGTERM)."""
     return Invocation(f"set -- {quote(label)}\n" + STOP_SCRIPT, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                      timeout=60, label="fleetcuda:stop")
+                      timeout=60, label=internal_label("stop", label.rpartition("@")[2] if "@" in label else ""))
+
+
+def step_label(step: str, run_id: str = "") -> str:
+    """bash's $0 for a step's commands: unique per run, so stopping one run's step never touches another's."""
+    return f"fleetcuda:{step}" + (f"@{run_id}" if run_id else "")
+
+
+def internal_label(what: str, run_id: str = "") -> str:
+    """fleetcuda's own commands: `fleetcuda-` is never a step's label, whatever the step is called."""
+    return f"fleetcuda-{what}" + (f"@{run_id}" if run_id else "")
 
 
 def host_argv(chain: HopChain, inner: Sequence[str]) -> list[str]:
@@ -171,31 +216,49 @@ def host_argv(chain: HopChain, inner: Sequence[str]) -> list[str]:
 
 
 def ssh_argv(hop: SshHop) -> list[str]:
-    """OpenSSH client options equivalent to what the SSH transport does: keys verified, no prompts."""
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"ConnectTimeout={hop.connect_timeout}"]
-    if hop.known_hosts:
-        argv += ["-o", f"UserKnownHostsFile={hop.known_hosts}"]
+    """OpenSSH client options equivalent to what the SSH transport does (fleetcuda.transport).
+
+    No ssh config file is read (-F /dev/null: neither ~/.ssh/config nor /etc/ssh/ssh_config, whose
+    SendEnv would pass LANG on); host keys only from the hop's own known_hosts, never added to it;
+    only the given identity (or, with none, the agent and the default keys); publickey only, no
+    prompts; keepalives that must be answered (transport.KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT_MAX);
+    each jump host with its own options, through a ProxyCommand (`-J` would reach jump hosts with
+    the default options). Values OpenSSH tokenizes or expands are written for OpenSSH: double quotes
+    around the known_hosts path (a space would split it into two files), `%` doubled.
+    """
+    known_hosts = hop.known_hosts or "~/.ssh/known_hosts"
+    for path in (known_hosts, hop.identity_file or ""):
+        if "${" in path:  # OpenSSH expands ${VAR} in these paths and has no escape for it
+            raise ValueError(f"a path with '${{' cannot be given to OpenSSH: {path!r}")
+    kh_value = known_hosts.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    argv = ["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", "UpdateHostKeys=no", "-o", "PreferredAuthentications=publickey",
+            "-o", f"ConnectTimeout={hop.connect_timeout}", "-o", "ServerAliveInterval=10",
+            "-o", "ServerAliveCountMax=3", "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", f'UserKnownHostsFile="{kh_value}"']
     if hop.identity_file:
-        argv += ["-o", "IdentitiesOnly=yes", "-i", hop.identity_file]
+        argv += ["-o", "IdentitiesOnly=yes", "-i", hop.identity_file.replace("%", "%%")]
     if hop.port != 22:
         argv += ["-p", str(hop.port)]
     if hop.jump is not None:
-        argv += ["-J", _jump_spec(hop.jump)]
+        argv += ["-o", "ProxyCommand=" + _jump_spec(hop.jump, hop)]
     return argv
 
 
-def _jump_spec(hop: SshHop) -> str:
-    spec = f"{hop.user}@{hop.address}" + (f":{hop.port}" if hop.port != 22 else "")
-    return f"{_jump_spec(hop.jump)},{spec}" if hop.jump else spec
+def _jump_spec(jump: SshHop, to: SshHop) -> str:
+    """The ProxyCommand that reaches `to` through `jump`: an ssh to the jump host with its own options
+    (and its own ProxyCommand), forwarding stdin/stdout to `to`. OpenSSH runs it with `$SHELL -c`
+    after expanding `%` tokens, hence quote() and the doubled `%`."""
+    target = f"[{to.address}]:{to.port}" if ":" in to.address else f"{to.address}:{to.port}"
+    return join([*ssh_argv(jump), "-W", target, "--", f"{jump.user}@{jump.address}"]).replace("%", "%%")
 
 
 def build(chain: HopChain, inv: Invocation) -> BuiltCommand:
     argv = host_argv(chain, target_argv(inv))
     if chain.ssh is None:
-        return BuiltCommand(tuple(argv), None, join_for_paste(argv), inv.label)
+        return BuiltCommand(tuple(argv), None, join_for_paste(argv), inv.label, inv.stdin)
     remote = join(argv)
     hop = chain.ssh
     # `--` stops ssh's option parsing, so the destination and command are never read as options.
     display = join_for_paste([*ssh_argv(hop), "--", f"{hop.user}@{hop.address}", remote])
-    return BuiltCommand(tuple(argv), remote, display, inv.label)
+    return BuiltCommand(tuple(argv), remote, display, inv.label, inv.stdin)

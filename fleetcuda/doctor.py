@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fleetcuda.command import BuiltCommand, Invocation, build, quote
 from fleetcuda.inventory import Target
@@ -204,9 +205,9 @@ STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
 
 def render(results: dict[str, list[Finding]], console: Console) -> None:
     for target, items in results.items():
-        table = Table(title=f"doctor: {target}", show_header=True, header_style="bold")
+        table = Table(title=Text(f"doctor: {target}"), show_header=True, header_style="bold")
         for col in ("check", "found", "status"):
             table.add_column(col, overflow="fold")
         for f in items:
-            table.add_row(f.check, f.value, f"[{STYLE[f.status]}]{f.status}[/]")
+            table.add_row(Text(f.check), Text(f.value), Text(f.status, style=STYLE[f.status]))
         console.print(table)

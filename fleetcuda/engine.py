@@ -10,30 +10,30 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
-import socket
+import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Literal
 
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
-from fleetcuda import __version__, fingerprint, transfer
+from fleetcuda import __version__, fingerprint, framing, transfer
 from fleetcuda.command import BuiltCommand, Invocation, build, quote, stop_invocation
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 from fleetcuda.inventory import Target
+from fleetcuda.locks import LOCK_REFRESH_S, LOCK_STALE_S, TargetLock, lock_state, owner_is_dead
 from fleetcuda.planner import (
-    LOCK_MARK,
-    LOCK_TTL_S,
     SYSTEM_PATH,
     Plan,
     PlannedStep,
-    TargetLock,
     base_values,
     batch_command,
     facts_command,
@@ -42,10 +42,15 @@ from fleetcuda.planner import (
     parse_batch,
     parse_facts,
     pending_facts,
+    vmid_of,
 )
 from fleetcuda.recipe import Recipe
-from fleetcuda.redact import Redactor, for_variables
+from fleetcuda.redact import Redactor
 from fleetcuda.report import Reporter
+from fleetcuda.results import StepResult as StepResult
+from fleetcuda.results import StepStatus, TargetStatus
+from fleetcuda.results import TargetResult as TargetResult
+from fleetcuda.results import exit_code as exit_code
 from fleetcuda.templating import TemplateError
 from fleetcuda.transport import RunResult, SshTransport, TransportPool
 from fleetcuda.wheelcache import BuildBroker, CacheEntry, WheelCache
@@ -56,32 +61,6 @@ TAIL_LINES = 20
 # Exit codes of a check that mean "could not look", not "not satisfied": command not found by
 # pct/sudo/ssh, or killed.
 _UNREACHABLE_RC = {255}
-
-
-@dataclass
-class StepResult:
-    name: str
-    status: str  # ok | changed | skipped | would-change | drift | failed
-    duration: float = 0.0
-    detail: str = ""
-    tail: list[str] = field(default_factory=list)
-    would_run: str | None = None
-    expected: str = ""  # what the step's check proves when it passes
-    found: str = ""  # the last line the check printed: what it saw
-
-
-@dataclass
-class TargetResult:
-    target: str
-    status: str = "pending"  # ok | changed | would-change | drift | failed | unreachable | interrupted
-    steps: list[StepResult] = field(default_factory=list)
-    error: str | None = None
-    log: str | None = None
-    duration: float = 0.0
-
-    @property
-    def changed(self) -> int:
-        return sum(s.status == "changed" for s in self.steps)
 
 
 class Interrupted(Exception):
@@ -136,9 +115,14 @@ class Engine:
         self.forks = max(1, forks)
         self.home = home
         self.cancel = threading.Event()
+        # In every label and frame of this run: its commands are told apart from any other run's.
+        self.run_id = secrets.token_hex(4)
+        self.nonce = framing.new_nonce()
         self._redactors: dict[str, Redactor] = {}
         self.lock = lock if mode == "apply" else None
         self._held: set[str] = set()  # targets whose apply lock this run holds
+        self._refresh_stop = threading.Event()
+        self.lock_refresh_s = float(os.environ.get("FLEETCUDA_LOCK_REFRESH_S") or LOCK_REFRESH_S)
         self._running: dict[str, str] = {}  # target id -> label of the command running there now
         self._plans: dict[str, Plan] = {}
         self.stopped: dict[str, str] = {}
@@ -156,6 +140,9 @@ class Engine:
     def run(self) -> list[TargetResult]:
         results = {t.id: TargetResult(t.id) for t in self.targets}
         executor = ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="fleetcuda")
+        refresher = threading.Thread(target=self._refresh_locks, name="fleetcuda-lock-refresh", daemon=True)
+        if self.lock is not None:
+            refresher.start()
         futures: dict[Future[None], Target] = {
             executor.submit(self._run_target, t, results[t.id]): t for t in interleave_hosts(self.targets)}
         try:
@@ -164,7 +151,11 @@ class Engine:
                 _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
         except KeyboardInterrupt:
             # Close the channels, then stop what they had started on each target (closing an SSH
-            # channel leaves a non-tty command running), then release the targets' locks.
+            # channel leaves a non-tty command running), then release the targets' locks. A second
+            # Ctrl-C or SIGTERM must not cut that short (it is bounded): from here on they are ignored,
+            # until the caller has recorded the run (cli.execute restores them).
+            self.interrupted = True
+            ignore_stop_signals()
             self.cancel.set()
             running = dict(self._running)  # before the channels close and the workers forget it
             self.pool.abort()
@@ -176,16 +167,34 @@ class Engine:
                 if target.id in self._held:
                     self._release_after_interrupt(target)
             for r in results.values():
-                if r.status in ("pending", "running"):
-                    r.status = "interrupted"
+                if r.status in (TargetStatus.PENDING, TargetStatus.RUNNING):
+                    r.status = TargetStatus.INTERRUPTED
                 if r.target in self.stopped:
-                    r.status, r.error = "interrupted", self.stopped[r.target]
-            self.interrupted = True
+                    r.status, r.error = TargetStatus.INTERRUPTED, self.stopped[r.target]
         finally:
+            self._refresh_stop.set()
             executor.shutdown(wait=False, cancel_futures=True)
             self._remove_host_copies()
             self.pool.close()
+        for r in results.values():  # a worker that never got to say how it ended did not succeed
+            if r.status in (TargetStatus.PENDING, TargetStatus.RUNNING):
+                r.status = TargetStatus.INTERRUPTED if self.interrupted else TargetStatus.FAILED
+                r.error = r.error or ("interrupted" if self.interrupted else "ended without a result")
         return [results[t.id] for t in self.targets]
+
+    def _refresh_locks(self) -> None:
+        """Touch every lock this run holds, so that a long step never lets another run take it as stale."""
+        assert self.lock is not None
+        while not self._refresh_stop.wait(self.lock_refresh_s):
+            for tid in list(self._held):
+                plan = self._plans.get(tid)
+                if plan is None:
+                    continue
+                cmd = lock_command(plan, self.lock.refresh(vmid_of(plan), plan.nonce))
+                try:
+                    self.pool.get(plan.target.host).run(cmd, timeout=60, on_line=lambda line: None)
+                except Exception:  # the next refresh tries again; a lost host fails its own step
+                    pass
 
     def _stop_remote(self, running: dict[str, str]) -> dict[str, str]:
         """Stop, on each target, the step that was running when Ctrl-C or SIGTERM came."""
@@ -200,7 +209,8 @@ class Engine:
                 what = res.output.strip().splitlines()[-1] if res.output.strip() else f"exit {res.rc}"
             except (FleetcudaError, OSError) as exc:
                 what = f"could not stop it: {exc}"
-            stopped[target.id] = f"interrupted during {label.removeprefix('fleetcuda:')}: {what}"
+            step = label.removeprefix("fleetcuda:").partition("@")[0]
+            stopped[target.id] = f"interrupted during {step}: {what}"
             self._append_log(target, f"# {stopped[target.id]}")
         return stopped
 
@@ -209,9 +219,9 @@ class Engine:
         if plan is None or self.lock is None:
             return
         try:
-            res = self.pool.get(target.host).run(lock_command(plan, self.lock.release(target)), timeout=60,
-                                                 on_line=lambda line: None)
-            if LOCK_MARK + " released" in res.output:
+            res = self.pool.get(target.host).run(lock_command(plan, self.lock.release(vmid_of(plan), plan.nonce)),
+                                                 timeout=60, on_line=lambda line: None)
+            if self._lock_word(plan, res) == "released":
                 self._held.discard(target.id)
                 self._append_log(target, "# lock released after the interruption")
         except (FleetcudaError, OSError):
@@ -224,13 +234,31 @@ class Engine:
     # -- one target -------------------------------------------------------------------------
 
     def _run_target(self, target: Target, result: TargetResult) -> None:
+        """Whatever happens inside, the target ends in a final status with its reason: an error we did not
+        foresee is a failure with its message, never a target left `running` (nor a run that exits 0)."""
         if self.cancel.is_set():
-            result.status = "interrupted"
+            result.status = TargetStatus.INTERRUPTED
             return
+        start = time.monotonic()
+        try:
+            self._run_target_logged(target, result, start)
+        except BaseException as exc:
+            if result.status in (TargetStatus.PENDING, TargetStatus.RUNNING):
+                result.status = TargetStatus.FAILED
+                result.error = f"internal error: {type(exc).__name__}: {exc}"
+            result.duration = time.monotonic() - start
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            try:
+                self.reporter.target_finished(result)
+            except Exception:  # a reporter must never turn a result into a traceback
+                pass
+
+    def _run_target_logged(self, target: Target, result: TargetResult, start: float) -> None:
         log_path = self.run_dir / (target.id.replace("/", "_") + ".log")
         result.log = str(log_path)
-        result.status = "running"
-        start = time.monotonic()
+        result.status = TargetStatus.RUNNING
         self.reporter.target_started(target.id)
         with _private_file(log_path) as log:
             log.write(f"# fleetcuda {self.mode} {self.recipe.path} on {target.id} at {_now()}\n")
@@ -240,41 +268,50 @@ class Engine:
                 self._steps(plan, result, log)
                 result.status = _overall(self.mode, result.steps)
             except TargetLocked as exc:
-                result.status = "locked"
-                result.error = str(exc)
+                result.status, result.error = TargetStatus.LOCKED, str(exc)
             except StepFailed:
-                result.status = "failed"
+                result.status = TargetStatus.FAILED
             except (UnreachableError, HostKeyError) as exc:
-                result.status = "unreachable"
-                result.error = str(exc)
+                result.status, result.error = TargetStatus.UNREACHABLE, self._redact(target, str(exc))
             except Interrupted:
-                result.status = "interrupted"
-                result.error = "interrupted"
-            except FleetcudaError as exc:
-                result.status = "failed"
-                result.error = str(exc)
-            except TemplateError as exc:
-                result.status = "failed"
-                result.error = str(exc)
+                result.status, result.error = TargetStatus.INTERRUPTED, "interrupted"
+            except (FleetcudaError, TemplateError) as exc:
+                result.status, result.error = TargetStatus.FAILED, self._redact(target, str(exc))
+            except Exception as exc:
+                result.status = TargetStatus.FAILED
+                result.error = self._redact(target, f"internal error: {type(exc).__name__}: {exc}")
+                log.write("# " + self._redact(target, traceback.format_exc()).replace("\n", "\n# ") + "\n")
             finally:
                 if not self.cancel.is_set():  # after Ctrl-C the main thread stops the step first, then releases
                     self._release(target, plan, log)
             result.duration = time.monotonic() - start
             log.write(f"# result: {result.status}{' - ' + result.error if result.error else ''}\n")
-        self.reporter.target_finished(result)
+
+    def _redact(self, target: Target, text: str) -> str:
+        return self._redactors.get(target.id, _NO_SECRETS)(text)
+
+    def _redacted(self, target: Target, sr: StepResult, expect: str) -> StepResult:
+        """Everything a result carries into reports and history, with the target's secrets masked."""
+        r = self._redactors.get(target.id, _NO_SECRETS)
+        return replace(sr, detail=r(sr.detail), tail=[r(t) for t in sr.tail], expected=r(expect), found=r(sr.found),
+                       would_run=r(sr.would_run) if sr.would_run is not None else None)
 
     def _plan(self, target: Target, log: IO[str]) -> Plan:
         values = base_values(self.recipe, target, self.overrides)
-        self._redactors[target.id] = for_variables(values, self.recipe.env)
+        # Secrets known before facts are read; the plan's own list (facts included) replaces it.
+        self._redactors[target.id] = Redactor(make_plan(self.recipe, target, values, self.home(target)).secrets)
         names = pending_facts(self.recipe, values)
         if names:
-            cmd = facts_command(self.recipe, target, values, names, self.home(target))
+            cmd = facts_command(self.recipe, target, values, names, self.home(target), nonce=self.nonce,
+                                run_id=self.run_id)
             res = self._exec(target, "facts", "read", cmd, log, timeout=120)
             if res.rc != 0:
                 self._maybe_unreachable(res, target)
-            values = {**values, **parse_facts(res.output, names)}
-            log.write("# facts: " + ", ".join(f"{n}={values[n]}" for n in names) + "\n")
-        plan = make_plan(self.recipe, target, values, self.home(target))
+            values = {**values, **parse_facts(res.output, names, self.nonce)}
+        plan = make_plan(self.recipe, target, values, self.home(target), run_id=self.run_id, nonce=self.nonce)
+        self._redactors[target.id] = Redactor(plan.secrets)
+        if names:
+            log.write(self._redact(target, "# facts: " + ", ".join(f"{n}={values[n]}" for n in names)) + "\n")
         self._plans[target.id] = plan
         return plan
 
@@ -288,17 +325,17 @@ class Engine:
                 raise Interrupted()
             pre = batch.get(step.index)
             if step.skipped:
-                sr = StepResult(step.name, "skipped", detail=step.skipped)
+                sr = StepResult(step.name, StepStatus.SKIPPED, detail=step.skipped)
             elif self.mode == "verify":
                 sr = self._verify_only(plan.target, step, log, pre)
             else:
                 sr = self._converge(plan.target, step, log, pre)
-            sr.expected = step.expect
+            sr = self._redacted(plan.target, sr, step.expect)
             result.steps.append(sr)
             self.reporter.step_finished(tid, sr)
-            if sr.status == "failed":
+            if sr.status == StepStatus.FAILED:
                 raise StepFailed(sr)
-            if sr.status == "changed":
+            if sr.status == StepStatus.CHANGED:
                 batch = {}
 
     def _batch(self, plan: Plan, log: IO[str]) -> dict[int, RunResult]:
@@ -308,7 +345,7 @@ class Engine:
                   for p in [s.verify_probe if verify else s.pre_probe] if p is not None]
         if len(probes) < 2:
             if lock is not None:
-                cmd = lock_command(plan, lock.acquire(plan.target))
+                cmd = lock_command(plan, lock.acquire(vmid_of(plan), plan.nonce))
                 res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
                 if self._took_over_dead_lock(plan, res, log):
                     res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
@@ -320,37 +357,43 @@ class Engine:
             if self._took_over_dead_lock(plan, res, log):
                 res = self._exec(plan.target, "all-steps", "check", cmd, log, None)
             self._lock_state(plan, res)
-        parsed = parse_batch(res.output)
+        parsed = parse_batch(res.output, plan.nonce)
         if not parsed:
             self._maybe_unreachable(res, plan.target)
             return {}
+        for i, r in sorted(parsed.items()):  # the log has the framed stream; say each check's answer plainly
+            log.write(f"# batched {plan.steps[i].name}: exit {r.rc} after {r.duration_ms} ms\n")
         return {i: RunResult(r.rc, r.output, r.duration_ms / 1000) for i, r in parsed.items()}
+
+    def _lock_word(self, plan: Plan, res: RunResult) -> str | None:
+        return lock_state(framing.parse(res.output, plan.nonce))[0]
 
     def _took_over_dead_lock(self, plan: Plan, res: RunResult, log: IO[str]) -> bool:
         """A lock left by a run of this machine whose process is gone (killed, crashed) is taken over."""
         assert self.lock is not None
-        for line in res.output.splitlines():
-            if not line.startswith(LOCK_MARK + " busy"):
-                continue
-            owner = line.removeprefix(LOCK_MARK + " busy ").partition(" ")[2]
-            m = re.fullmatch(r"\S+@(\S+) pid (\d+) since \S+", owner)
-            if not m or m[1] != socket.gethostname() or _alive(int(m[2])):
-                return False
-            cmd = lock_command(plan, self.lock.take_over(plan.target, owner))
-            done = self._exec(plan.target, "lock", "take-over", cmd, log, None)
-            return LOCK_MARK + " taken over" in done.output
-        return False
+        word, fields = lock_state(framing.parse(res.output, plan.nonce))
+        if word != "busy" or len(fields) < 2:
+            return False
+        owner = " ".join(fields[1:])
+        if not owner_is_dead(owner):
+            return False
+        cmd = lock_command(plan, self.lock.take_over(vmid_of(plan), owner, plan.nonce))
+        done = self._exec(plan.target, "lock", "take-over", cmd, log, None)
+        return self._lock_word(plan, done) == "taken-over"
 
     def _lock_state(self, plan: Plan, res: RunResult) -> None:
-        for line in res.output.splitlines():
-            if line.startswith(LOCK_MARK + " busy"):
-                where, _, owner = line.removeprefix(LOCK_MARK + " busy ").partition(" ")
+        for f in framing.parse(res.output, plan.nonce):
+            if f.kind != "lock" or not f.fields:
+                continue
+            word, fields = f.fields[0], f.fields[1:]
+            if word == "busy":
+                where, owner = (fields[0] if fields else "?"), " ".join(fields[1:])
                 raise TargetLocked(f"another fleetcuda apply holds {where} on {plan.target.id}: {owner or '?'}"
-                                   f" (wait with --lock-wait SECONDS; a lock older than {LOCK_TTL_S // 3600} h "
-                                   "is taken over)")
-            if line == LOCK_MARK + " held":
+                                   f" (wait with --lock-wait SECONDS; a lock its run has not refreshed for "
+                                   f"{LOCK_STALE_S // 60} min is taken over)")
+            if word == "held":
                 self._held.add(plan.target.id)
-            elif line == LOCK_MARK + " released":
+            elif word == "released":
                 self._held.discard(plan.target.id)
         if plan.target.id not in self._held and res.rc != 0:
             self._maybe_unreachable(res, plan.target)
@@ -359,8 +402,9 @@ class Engine:
         if self.lock is None or plan is None or target.id not in self._held:
             return
         try:
-            res = self._exec_always(target, "lock", "release", lock_command(plan, self.lock.release(target)), log)
-            if LOCK_MARK + " released" in res.output:
+            res = self._exec_always(target, "lock", "release",
+                                    lock_command(plan, self.lock.release(vmid_of(plan), plan.nonce)), log)
+            if self._lock_word(plan, res) == "released":
                 self._held.discard(target.id)
         except (FleetcudaError, OSError) as exc:
             log.write(f"# could not release the lock: {exc}\n")
@@ -370,7 +414,7 @@ class Engine:
         if step.check is not None or (pre is not None and step.apply is None):
             res = pre or self._exec(target, step.name, "check", step.check, log, step.timeout)  # type: ignore[arg-type]
             if res.rc == 0:
-                return StepResult(step.name, "ok", time.monotonic() - start, "already satisfied")
+                return StepResult(step.name, StepStatus.OK, time.monotonic() - start, "already satisfied")
             self._maybe_unreachable(res, target)
             if step.apply is None:
                 return self._failed(step, "check", res, start, "not satisfied, and the step has nothing to apply")
@@ -379,12 +423,12 @@ class Engine:
             res = self._exec(target, step.name, "verify", step.verify, log, step.timeout)
             self._maybe_unreachable(res, target)
             if res.rc == 0:
-                return StepResult(step.name, "ok", time.monotonic() - start, "verified")
+                return StepResult(step.name, StepStatus.OK, time.monotonic() - start, "verified")
             return self._failed(step, "verify", res, start, "verification failed")
         if self.mode == "check":
-            return StepResult(step.name, "would-change", time.monotonic() - start,
+            return StepResult(step.name, StepStatus.WOULD_CHANGE, time.monotonic() - start,
                               "check not satisfied", _tail(res.output),
-                              would_run=self._redactors.get(target.id, _NO_SECRETS)(step.apply.display))
+                              would_run=step.apply.display)
         done = "applied and verified"
         if step.shared is not None:
             res, done = self._apply_shared(target, step, log)
@@ -392,7 +436,7 @@ class Engine:
             res = self._apply(target, step, log)
         if res.rc != 0:
             self._maybe_unreachable(res, target)
-            why = "timed out" if res.timed_out or res.rc == 124 else f"exit {res.rc}"
+            why = f"timed out after {step.timeout}s" if timed_out(res) else f"exit {res.rc}"
             failed = self._failed(step, "apply", res, start, f"apply failed ({why})")
             if "No space left on device" in res.output:
                 failed.detail += "; " + self._free_space(target, res.output, log)
@@ -403,7 +447,7 @@ class Engine:
         if res.rc != 0:
             self._maybe_unreachable(res, target)
             return self._failed(step, "verify", res, start, "apply ran, but the verification failed")
-        return StepResult(step.name, "changed", time.monotonic() - start, done)
+        return StepResult(step.name, StepStatus.CHANGED, time.monotonic() - start, done)
 
     def _verify_only(self, target: Target, step: PlannedStep, log: IO[str], pre: RunResult | None) -> StepResult:
         start = time.monotonic()
@@ -412,9 +456,13 @@ class Engine:
         res = pre or self._exec(target, step.name, "verify", cmd, log, step.timeout)
         took = res.duration if pre else time.monotonic() - start
         if res.rc == 0:
-            return StepResult(step.name, "ok", took, "verified", found=_found(res.output))
+            return StepResult(step.name, StepStatus.OK, took, "verified", found=_found(res.output))
         self._maybe_unreachable(res, target)
-        return StepResult(step.name, "drift", took, "verification failed", _tail(res.output), found=_found(res.output))
+        if timed_out(res):  # it could not answer in time: not an answer, so not drift
+            return StepResult(step.name, StepStatus.FAILED, took, f"verification timed out after {step.timeout}s",
+                              _tail(res.output), found=_found(res.output))
+        return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", _tail(res.output),
+                          found=_found(res.output))
 
     def _apply(self, target: Target, step: PlannedStep, log: IO[str]) -> RunResult:
         assert step.apply is not None
@@ -425,7 +473,7 @@ class Engine:
             if self.cancel.is_set():
                 raise Interrupted()
             res = self._exec(target, step.name, "apply", step.apply, log, step.timeout)  # type: ignore[arg-type]
-            if res.rc != 0 and not res.timed_out:
+            if res.rc != 0 and not timed_out(res):  # an apply that ran out of time is never re-sent blindly
                 log.write(f"# apply failed (exit {res.rc}); retrying\n")
                 raise _Retry(res)
             return res
@@ -638,7 +686,7 @@ class Engine:
         return f"disk full on {target.id}: " + "; ".join(lines)
 
     def _failed(self, step: PlannedStep, phase: str, res: RunResult, start: float, why: str) -> StepResult:
-        return StepResult(step.name, "failed", time.monotonic() - start, f"{phase}: {why}", _tail(res.output))
+        return StepResult(step.name, StepStatus.FAILED, time.monotonic() - start, f"{phase}: {why}", _tail(res.output))
 
     def _maybe_unreachable(self, res: RunResult, target: Target) -> None:
         """pct's own errors (stopped container, unknown vmid, sudo wanting a password) end the target."""
@@ -713,12 +761,25 @@ class _Retry(Exception):
         self.result = result
 
 
-def _overall(mode: Mode, steps: list[StepResult]) -> str:
+def _overall(mode: Mode, steps: list[StepResult]) -> TargetStatus:
     statuses = {s.status for s in steps}
-    for status in ("failed", "drift", "would-change", "changed"):
+    for status in (StepStatus.FAILED, StepStatus.DRIFT, StepStatus.WOULD_CHANGE, StepStatus.CHANGED):
         if status in statuses:
-            return status
-    return "ok"
+            return TargetStatus(status.value)
+    return TargetStatus.OK
+
+
+def timed_out(res: RunResult) -> bool:
+    """The command ran out of time: the control side gave up, or `timeout` on the target stopped it
+    (124 after TERM; 128+9 when it had to KILL)."""
+    return res.timed_out or res.rc in (124, 137)
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM ignored (only the main thread may set handlers; elsewhere there are none to set)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def interleave_hosts(targets: list[Target]) -> list[Target]:
@@ -734,16 +795,6 @@ def interleave_hosts(targets: list[Target]) -> list[Target]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _found(output: str) -> str:
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
@@ -755,16 +806,3 @@ def _tail(output: str) -> list[str]:
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def exit_code(results: list[TargetResult]) -> int:
-    """0 all good; 1 a target failed, drifted or was locked by another run; 3 a target unreachable;
-    130 interrupted."""
-    statuses = {r.status for r in results}
-    if "interrupted" in statuses:
-        return 130
-    if statuses & {"failed", "drift", "locked"}:
-        return 1
-    if "unreachable" in statuses:
-        return 3
-    return 0

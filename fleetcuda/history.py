@@ -13,6 +13,9 @@ import fnmatch
 import os
 import random
 import sqlite3
+import stat
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -25,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleetcuda.engine import TargetResult, state_dir
+from fleetcuda.errors import FleetcudaError, InputError
 from fleetcuda.report import STATUS_STYLE
 from fleetcuda.reports import FAILING, RunInfo, iso_utc
 
@@ -69,6 +73,74 @@ CREATE TABLE IF NOT EXISTS step_results (
 );
 CREATE INDEX IF NOT EXISTS target_results_by_target ON target_results(target, run_id);
 """
+
+
+class HistoryError(FleetcudaError):
+    """The history database cannot be used: damaged, unreadable, or from a newer fleetcuda."""
+
+
+# SQLite's primary result codes for "this is not (or no longer) a database".
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def _history_error(db: Path, exc: BaseException) -> HistoryError:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(exc, sqlite3.DatabaseError) and (
+            (code is not None and code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB))
+            or "not a database" in str(exc) or "malformed" in str(exc)):
+        return HistoryError(f"the history file {db} is damaged ({exc}); move it aside (fleetcuda starts a new "
+                            "one) or restore it from a backup")
+    if isinstance(exc, OSError):
+        return HistoryError(f"cannot use the history file {db}: {exc.strerror or exc}")
+    return HistoryError(f"cannot use the history file {db}: {exc}")
+
+
+def check_state_dir(path: Path | None = None) -> Path:
+    """The state directory (FLEETCUDA_STATE_DIR or the XDG default), refused as bad input when it, or what
+    would be its parent, exists and is not a directory: then no run directory, history or report can be made."""
+    directory = path if path is not None else state_dir()
+    source = "FLEETCUDA_STATE_DIR" if path is None and os.environ.get("FLEETCUDA_STATE_DIR") else "state directory"
+    for d in (directory, *directory.parents):
+        if not os.path.exists(d):
+            continue  # made on first use (or below a file, which the loop reaches next)
+        if not os.path.isdir(d):
+            what = "is not a directory" if d == directory else f"is below {d}, which is not a directory"
+            raise InputError(source, None, "", f"{directory} {what}; name a directory")
+        break
+    return directory
+
+
+def check_output_path(option: str, path: str) -> Path:
+    """A report path (--output, --report FORMAT=PATH) checked before the run, not after it: its directory exists
+    and a file can be made there (the report is written atomically, through a temporary file beside it), and
+    the path is not a directory or a device. Bad input otherwise (InputError naming the option)."""
+    shown = path if path.isprintable() else ascii(path)
+    target = Path(path)
+    try:
+        os.fsencode(path)  # a NUL, or a surrogate that no bytes stand for
+        if "\0" in path:
+            raise ValueError("a path cannot contain a NUL character")
+        st = os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):  # the directory checks below say which
+        st = None
+    except (OSError, ValueError) as exc:
+        raise InputError(option, None, "", f"{shown}: {getattr(exc, 'strerror', None) or exc}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InputError(option, None, "", f"{shown} is a directory; name a file")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InputError(option, None, "", f"{shown} is not a regular file (it would be replaced)")
+    parent = target.parent
+    if not parent.exists():
+        raise InputError(option, None, "", f"{shown}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise InputError(option, None, "", f"{shown}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".fleetcuda.", suffix=".probe")
+    except OSError as exc:
+        raise InputError(option, None, "", f"{shown}: cannot write in {parent}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+    return target
 
 
 def default_history_path() -> Path:
@@ -126,7 +198,21 @@ def _create_private_file(path: Path) -> None:
 
 @contextmanager
 def _connect(path: str | os.PathLike[str], create: bool) -> Iterator[sqlite3.Connection]:
+    """A connection; any SQLite or file error (a damaged file, a directory in its place) is a HistoryError."""
     db = Path(path)
+    try:
+        with _open(db, create) as conn:
+            yield conn
+    except HistoryError:
+        raise
+    except (sqlite3.Error, OSError, RuntimeError) as exc:
+        if isinstance(exc, FileNotFoundError) and not create and not db.exists():
+            raise
+        raise _history_error(db, exc) from exc
+
+
+@contextmanager
+def _open(db: Path, create: bool) -> Iterator[sqlite3.Connection]:
     if create:
         _make_private_dirs(db.parent)
         _create_private_file(db)
@@ -188,8 +274,28 @@ def _migrate(conn: sqlite3.Connection) -> None:
 # -- writing ------------------------------------------------------------------------------------
 
 
-def record(path: str | os.PathLike[str], info: RunInfo, results: list[TargetResult]) -> int:
-    """Store one run with each target's result and each check's status, expected, found; return its id."""
+def _warn(message: str) -> None:
+    print(f"fleetcuda: warning: {message}", file=sys.stderr)
+
+
+def record(path: str | os.PathLike[str], info: RunInfo, results: list[TargetResult], *,
+           on_error: Callable[[str], None] | None = _warn) -> int | None:
+    """Store one run with each target's result and each check's status, expected, found; return its id.
+
+    A history that cannot be written (a damaged file, say) must not cost the run its result and reports:
+    the problem goes to on_error (by default a warning on stderr) and None is returned. on_error=None raises
+    the HistoryError instead.
+    """
+    try:
+        return _record(path, info, results)
+    except HistoryError as exc:
+        if on_error is None:
+            raise
+        on_error(f"{exc}; this run was not recorded in the history")
+        return None
+
+
+def _record(path: str | os.PathLike[str], info: RunInfo, results: list[TargetResult]) -> int:
     run_row = (iso_utc(info.started_at), iso_utc(info.finished_at), info.mode, info.recipe_name, info.recipe_path,
                info.inventory_path, info.exit_code, info.run_dir, info.version)
     targets: dict[str, TargetResult] = {}

@@ -7,24 +7,33 @@ the groups are listed in the file) < host vars < container vars < `--var K=V`.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
 from fleetcuda.command import DEFAULT_PCT, HopChain, PctHop, SshHop
 from fleetcuda.errors import InputError
 from fleetcuda.yamlsrc import SourceDoc, load_yaml
 
-SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
-VAR_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+# These patterns are checked by pydantic, whose regex engine reads `\A` and `\z` as the very start and end of
+# the text. Never `^...$`: in Python's re, `$` also matches before a trailing newline. Python code checks
+# names with the compiled *_RE forms and fullmatch.
+_SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
+_VAR_NAME = r"[A-Za-z_][A-Za-z0-9_]{0,63}"
+SAFE_NAME = rf"\A{_SAFE_NAME}\z"
+VAR_NAME = rf"\A{_VAR_NAME}\z"
+SAFE_NAME_RE = re.compile(_SAFE_NAME)
+VAR_NAME_RE = re.compile(_VAR_NAME)
 VMID_MIN, VMID_MAX = 100, 999_999_999
 # Absolute paths made of ordinary characters; anything else in a path is refused, not quoted.
-ABS_PATH = r"^/[A-Za-z0-9._/+@-]{0,4095}$"
-LOCAL_PATH = r"^[A-Za-z0-9._/+@~-][A-Za-z0-9._/+@~ -]{0,4095}$"
+ABS_PATH = r"\A/[A-Za-z0-9._/+@-]{0,4095}\z"
+LOCAL_PATH = r"\A[A-Za-z0-9._/+@~-][A-Za-z0-9._/+@~ -]{0,4095}\z"
 # Host addresses: DNS names, IPv4, or IPv6 literals.
-ADDRESS = r"^[A-Za-z0-9][A-Za-z0-9.:-]{0,252}$"
+ADDRESS = r"\A[A-Za-z0-9][A-Za-z0-9.:-]{0,252}\z"
+USER = r"\A[a-z_][a-z0-9_-]{0,31}\z"
 # Longer chains of jump hosts or nested groups are refused (they are resolved recursively).
 MAX_CHAIN = 64
 
@@ -63,14 +72,15 @@ class ContainerSpec(_Model):
 class HostSpec(_Model):
     kind: Literal["ssh", "local"] = "ssh"
     address: Annotated[str, StringConstraints(pattern=ADDRESS)] | None = None
-    user: Annotated[str, StringConstraints(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")] = "root"
-    port: int = Field(default=22, ge=1, le=65535)
+    user: Annotated[str, StringConstraints(pattern=USER)] = "root"
+    # Strict: `port: true` must not become `-p 1`, nor `port: "22"` pass for a number.
+    port: StrictInt = Field(default=22, ge=1, le=65535)
     identity_file: LocalPath | None = None
     known_hosts: LocalPath | None = None
     jump: Name | None = Field(default=None, description="another host of this inventory to hop through")
     sudo: bool | None = Field(default=None, description="reach pct through `sudo -n` (for a non-root SSH user)")
     pct: AbsPath = DEFAULT_PCT
-    connect_timeout: int = Field(default=10, ge=1, le=300)
+    connect_timeout: StrictInt = Field(default=10, ge=1, le=300)
     venv: AbsPath | None = None
     python: AbsPath | None = None
     vars: dict[VarName, VarValue] = Field(default_factory=dict)

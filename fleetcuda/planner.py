@@ -5,18 +5,31 @@ Dry-run prints exactly these commands; apply, --check and verify send exactly th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from fleetcuda.command import BuiltCommand, Invocation, build, join, quote, target_argv
+from fleetcuda import framing
+from fleetcuda.command import (
+    BuiltCommand,
+    Invocation,
+    build,
+    internal_label,
+    join,
+    quote,
+    step_label,
+    target_argv,
+)
 from fleetcuda.inventory import Target
+from fleetcuda.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.recipe import AUTO, Recipe, check_fact_value
+from fleetcuda.redact import MIN_SECRET, SECRET_NAME
 from fleetcuda.steps import Scripts, StepContext, StepSpec
-from fleetcuda.templating import TemplateError, render
+from fleetcuda.templating import TemplateError, render, render_shell
+
+__all__ = ["LOCK_STALE_S", "TargetLock"]
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FALSY = {"", "0", "false", "no", "off", "none"}
-FACT_MARK = "@@fleetcuda-fact"
 
 
 @dataclass
@@ -57,6 +70,9 @@ class Plan:
     steps: list[PlannedStep] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)  # `auto` vars not yet read from the target
     home: str = "/root"
+    secrets: tuple[str, ...] = ()  # values never printed nor put on a command line
+    run_id: str = ""  # in every label: what Ctrl-C stops is this run's, never another's
+    nonce: str = ""  # in every frame fleetcuda's own shell prints (see framing)
 
 
 def base_values(recipe: Recipe, target: Target, overrides: dict[str, str]) -> dict[str, str]:
@@ -92,40 +108,77 @@ def base_env(target: Target, home: str | None = None) -> dict[str, str]:
     return env
 
 
+class Secrets:
+    """Which variables and values are secret: variables the recipe lists under `secrets:` or whose names
+    look like one (token, password, ...), environment variables named like one, and any value that holds
+    a secret value."""
+
+    def __init__(self, recipe: Recipe, values: Mapping[str, str]):
+        self.names = {k for k in values if SECRET_NAME.search(k)} | set(getattr(recipe, "secrets", ()))
+        self.values: set[str] = {values[k] for k in self.names if k in values and len(values[k]) >= MIN_SECRET}
+        for k, v in [*recipe.env.items(), *((k, v) for st in recipe.steps for k, v in st.env.items())]:
+            if SECRET_NAME.search(k) and isinstance(v, str) and len(v) >= MIN_SECRET and "{{" not in v:
+                self.values.add(v)  # a literal secret in an `env:`
+
+    def is_secret(self, name: str, value: str) -> bool:
+        if SECRET_NAME.search(name) or name in self.names:
+            self.add(value)
+            return True
+        return any(s in value for s in self.values)
+
+    def add(self, value: str) -> None:
+        if len(value) >= MIN_SECRET:
+            self.values.add(value)
+
+
+def invocation(script: str, env: Mapping[str, str], shell_vars: Mapping[str, str], sources: Mapping[str, str],
+               secrets: Secrets, *, timeout: int | None, label: str) -> Invocation:
+    """An Invocation whose secret values (in the environment or in {{ }} variables) travel on stdin."""
+    public_env, secret_env, public_vars, secret_vars = {}, {}, {}, {}
+    for k, v in env.items():
+        (secret_env if secrets.is_secret(k, v) else public_env)[k] = v
+    for k, v in shell_vars.items():
+        (secret_vars if secrets.is_secret(sources.get(k, k), v) else public_vars)[k] = v
+    return Invocation(script, public_env, timeout, label, public_vars, secret_env, secret_vars)
+
+
 def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names: list[str],
-                  home: str | None = None) -> BuiltCommand:
-    """One read-only round trip that prints every pending fact between markers."""
-    parts = []
+                  home: str | None = None, *, nonce: str, run_id: str = "") -> BuiltCommand:
+    """One read-only round trip that prints every pending fact, framed (see framing)."""
+    parts, shell_vars, sources = [], {}, {}
     for name in names:
-        body = _render(recipe, ("facts", name), recipe.facts[name], values, shell=True)
+        try:
+            body = render_shell(recipe.facts[name], values)
+        except TemplateError as exc:
+            raise recipe.source.error(("facts", name), str(exc)) from None
+        shell_vars.update(body.vars)
+        sources.update(body.names)
         # stderr stays out of the value: a library's warning must not become a version number.
-        parts.append(f"echo {FACT_MARK} {name}\n( {body}\n) 2>/dev/null | tail -n 1\necho {FACT_MARK} end $?")
-    return build(target.chain, Invocation("\n".join(parts), base_env(target, home), timeout=120,
-                                          label="fleetcuda:facts"))
+        parts.append(f"{framing.frame(nonce, 'fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -n 1 "
+                     f"| {framing.PAYLOAD}")
+    inv = invocation("\n".join(parts), base_env(target, home), shell_vars, sources, Secrets(recipe, values),
+                     timeout=120, label=internal_label("facts", run_id))
+    return build(target.chain, inv)
 
 
-def parse_facts(output: str, names: list[str]) -> dict[str, str]:
-    found: dict[str, str] = {}
-    current: str | None = None
-    for line in output.splitlines():
-        if line.startswith(FACT_MARK + " "):
-            word = line.split()[1]
-            current = word if word != "end" else None
-            continue
-        if current:
-            found[current] = line.strip()
+def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:
+    found = {f.fields[0]: (f.lines[-1].strip() if f.lines else "")
+             for f in framing.parse(output, nonce) if f.kind == "fact" and f.fields}
     missing = [n for n in names if not found.get(n)]
     if missing:
         raise TemplateError(f"could not read {', '.join(missing)} from the target (is the venv's torch there?)")
     return {n: check_fact_value(n, found[n]) for n in names}
 
 
-def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None) -> Plan:
-    plan = Plan(target, values, unresolved=pending_facts(recipe, values), home=home or home_of(target))
-    env = {**base_env(target, home), **recipe.env}
+def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None, *,
+              run_id: str = "", nonce: str | None = None) -> Plan:
+    plan = Plan(target, values, unresolved=pending_facts(recipe, values), home=home or home_of(target),
+                run_id=run_id, nonce=nonce or framing.new_nonce())
+    secrets = Secrets(recipe, values)
+    recipe_env = {k: _render(recipe, ("env", k), v, values, shell=False) for k, v in recipe.env.items()}
+    env = {**base_env(target, home), **recipe_env}
     exports: dict[str, str] = {}
     prepend: list[str] = []
-    ctx = StepContext(values, target.python, recipe.name)
     for i, step in enumerate(recipe.steps):
         skip = _skip_reason(recipe, i, step.when, values)
         planned = PlannedStep(i, step.name, step.kind, skip, timeout=step.timeout,
@@ -133,26 +186,33 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         plan.steps.append(planned)
         if skip:
             continue
+        ctx = StepContext(values, target.python, recipe.name)
         try:
             scripts = step.scripts(ctx)  # type: ignore[attr-defined]
+            if step.satisfied_if:
+                try:
+                    condition = ctx.shell(step.satisfied_if)
+                except TemplateError as exc:
+                    raise recipe.source.error(recipe.step_loc(i, "satisfied_if"), str(exc)) from None
+                scripts = _or_satisfied(scripts, condition)
         except (TemplateError, ValueError) as exc:
             raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
         step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values, shell=False)
                     for k, v in step.env.items()}
-        if step.satisfied_if:
-            scripts = _or_satisfied(scripts, _render(recipe, recipe.step_loc(i, "satisfied_if"), step.satisfied_if,
-                                                     values, shell=True))
         exports.update(scripts.exports)
         prepend = scripts.path_prepend + [p for p in prepend if p not in scripts.path_prepend]
         full_env = {**env, **exports, **step_env}
         if prepend:
             full_env["PATH"] = ":".join(prepend) + ":" + full_env["PATH"]
+        label = step_label(step.name, run_id)
 
         # The step and its environment are bound now: a shared build's install command is made at run time.
-        def cmd(script: str | None, step: StepSpec = step, env: dict[str, str] = full_env) -> BuiltCommand | None:
-            if script is None:
-                return None
-            return build(target.chain, Invocation(script, env, timeout=step.timeout, label=f"fleetcuda:{step.name}"))
+        def inv(script: str, step: StepSpec = step, env: dict[str, str] = full_env, ctx: StepContext = ctx,
+                label: str = label) -> Invocation:
+            return invocation(script, env, ctx.shell_vars, ctx.sources, secrets, timeout=step.timeout, label=label)
+
+        def cmd(script: str | None, inv: Callable[[str], Invocation] = inv) -> BuiltCommand | None:
+            return build(target.chain, inv(script)) if script is not None else None
 
         apply = scripts.apply
         if apply is not None and step.kind == "shell":
@@ -166,95 +226,51 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
                 lambda path, sha, fp, prov, sb=sb, cmd=cmd: cmd(sb.install(path, sha, fp, prov)))  # type: ignore[misc]
         pre = scripts.check if scripts.check is not None else (scripts.verify if apply is None else None)
         post = scripts.verify if scripts.verify is not None else scripts.check
-        label = f"fleetcuda:{step.name}"
-        planned.pre_probe = Invocation(pre, full_env, step.timeout, label) if pre is not None else None
-        planned.verify_probe = Invocation(post, full_env, step.timeout, label) if post is not None else None
+        planned.pre_probe = inv(pre) if pre is not None else None
+        planned.verify_probe = inv(post) if post is not None else None
+    plan.secrets = tuple(sorted(secrets.values, key=len, reverse=True))
     return plan
-
-
-BATCH_MARK = "@@fleetcuda-batch"
-
-
-LOCK_MARK = "@@fleetcuda-lock"
-LOCK_TTL_S = 6 * 3600  # a lock older than this is taken over: its run died without releasing it
-
-
-@dataclass(frozen=True)
-class TargetLock:
-    """One `fleetcuda apply` at a time per target: a lock directory on the target itself, so two
-    control machines cannot converge the same container at once. Released when the run ends."""
-
-    owner: str  # user@host, pid and start time of this run
-    wait_s: int = 0
-
-    @staticmethod
-    def name(target: Target) -> str:
-        # Named after the vmid, which is what identifies the container whatever the inventory calls it.
-        return f"fleetcuda-apply-{target.container.vmid}" if target.container else "fleetcuda-apply"
-
-    def acquire(self, target: Target) -> str:
-        name = self.name(target)
-        return "\n".join([
-            # A tmpfs (/run/lock, else /run) where there is one: a restart clears what a dead run left.
-            f"lockdir=/run/lock/{name}",
-            f'{{ [ -d /run/lock ] && [ -w /run/lock ]; }} || lockdir=/run/{name}',
-            f'{{ [ -d /run ] && [ -w /run ]; }} || lockdir="$HOME/.cache/{name}.lock"',
-            'mkdir -p "$(dirname "$lockdir")"',
-            f"deadline=$(( $(date +%s) + {int(self.wait_s)} ))",
-            'while ! mkdir "$lockdir" 2>/dev/null; do',
-            # Ours already (a reply lost with a dropped connection, then the command sent again).
-            f'  [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ] && break',
-            '  age=$(( $(date +%s) - $(stat -c %Y "$lockdir" 2>/dev/null || date +%s) ))',
-            f'  if [ "$age" -gt {LOCK_TTL_S} ]; then',
-            f'    echo "{LOCK_MARK} stale $(cat "$lockdir/owner" 2>/dev/null)"; rm -rf "$lockdir"; continue',
-            "  fi",
-            '  if [ "$(date +%s)" -ge "$deadline" ]; then',
-            f'    echo "{LOCK_MARK} busy $lockdir $(cat "$lockdir/owner" 2>/dev/null)"; exit 75',
-            "  fi",
-            "  sleep 2",
-            "done",
-            f'printf "%s\\n" {quote(self.owner)} > "$lockdir/owner"',
-            f'echo "{LOCK_MARK} held"',
-        ])
-
-    def release(self, target: Target) -> str:
-        return self._remove_if_owned_by(target, self.owner, "released")
-
-    def take_over(self, target: Target, dead_owner: str) -> str:
-        """Remove a lock whose owner is known to be dead (a run on this machine that no longer exists)."""
-        return self._remove_if_owned_by(target, dead_owner, "taken over")
-
-    def _remove_if_owned_by(self, target: Target, owner: str, said: str) -> str:
-        name = self.name(target)
-        return "\n".join([
-            f"for lockdir in /run/lock/{name} /run/{name} \"$HOME/.cache/{name}.lock\"; do",
-            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(owner)} ]; then rm -rf "$lockdir"; '
-            f'echo "{LOCK_MARK} {said}"; fi',
-            "done",
-        ])
 
 
 def lock_command(plan: Plan, script: str) -> BuiltCommand:
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(plan.target.chain, Invocation(script, env, timeout=3600, label="fleetcuda:lock"))
+    return build(plan.target.chain, Invocation(script, env, timeout=3600, label=internal_label("lock", plan.run_id)))
+
+
+def vmid_of(plan: Plan) -> int | None:
+    return plan.target.container.vmid if plan.target.container else None
 
 
 def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None) -> BuiltCommand:
     """One round trip for many read-only checks: each runs exactly as on its own (same env -i argv,
-    same timeout), framed by markers so the results come back per step, not scraped from a mix.
+    same timeout), its output framed (see framing), so no check can forge another's result or its own.
     With a lock, it is taken first; and if every check passed (nothing to apply), released at once."""
+    nonce = plan.nonce
     lines = ["set +e", "now() { date +%s%3N; }", "all_ok=1"]
     if lock is not None:
-        lines.append(lock.acquire(plan.target))
+        lines.append(lock.acquire(vmid_of(plan), nonce))
+    secret_vars: dict[str, str] = {}
     for index, probe in probes:
-        lines.append(f"echo {BATCH_MARK} begin {index}; t=$(now)")
-        lines.append(f"{join(target_argv(probe))} </dev/null 2>&1; rc=$?")
-        lines.append(f'echo; echo {BATCH_MARK} end {index} "$rc" "$(( $(now) - t ))"; [ "$rc" = 0 ] || all_ok=0')
+        feed = "</dev/null"
+        if probe.stdin:
+            # The probe's secrets go from this shell's variables (read from our stdin) to its stdin: printf
+            # is a builtin, so they are on no command line.
+            names = []
+            for value in [*probe.secret_vars.values(), *probe.secret_env.values()]:
+                name = f"fcs_{len(secret_vars)}"
+                secret_vars[name] = value
+                names.append(f'"${name}"')
+            feed = f"< <(printf '%s\\0' {' '.join(names)})"
+        lines.append(f"{framing.frame(nonce, 'begin', str(index))}; t=$(now)")
+        lines.append(f"{join(target_argv(probe))} {feed} 2>&1 | {framing.PAYLOAD}; rc=${{PIPESTATUS[0]}}")
+        lines.append(f"{framing.frame(nonce, 'end', str(index), '$rc', '$(( $(now) - t ))')}; "
+                     '[ "$rc" = 0 ] || all_ok=0')
     if lock is not None:
-        lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(plan.target)}\nfi')
-    total = sum(p.timeout or 0 for _, p in probes) + 60 + (lock.wait_s if lock else 0)
+        lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan), nonce)}\nfi')
+    total = sum(p.timeout or 0 for _, p in probes) + 30 + (lock.wait_s if lock else 0)
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total, label="fleetcuda:batch"))
+    return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total,
+                                               label=internal_label("batch", plan.run_id), secret_vars=secret_vars))
 
 
 @dataclass
@@ -264,24 +280,17 @@ class BatchResult:
     duration_ms: int
 
 
-def parse_batch(output: str) -> dict[int, BatchResult]:
+def parse_batch(output: str, nonce: str) -> dict[int, BatchResult]:
     results: dict[int, BatchResult] = {}
     current: int | None = None
-    buf: list[str] = []
-    for line in output.split("\n"):
-        if line.startswith(BATCH_MARK + " "):
-            parts = line.split()
-            if parts[1] == "begin" and len(parts) == 3 and parts[2].isdigit():
-                current, buf = int(parts[2]), []
-                continue
-            if parts[1] == "end" and len(parts) == 5 and current is not None and parts[2] == str(current):
-                text = "\n".join(buf)
-                results[current] = BatchResult(int(parts[3]), text[:-1] if text.endswith("\n") else text,
-                                               int(parts[4]) if parts[4].isdigit() else 0)
-                current = None
-                continue
-        if current is not None:
-            buf.append(line)
+    text = ""
+    for f in framing.parse(output, nonce):
+        if f.kind == "begin" and len(f.fields) == 1 and f.fields[0].isdigit():
+            current, text = int(f.fields[0]), f.text
+        elif f.kind == "end" and len(f.fields) == 3 and current is not None and f.fields[0] == str(current):
+            rc = int(f.fields[1]) if f.fields[1].isdigit() else 255
+            results[current] = BatchResult(rc, text, int(f.fields[2]) if f.fields[2].isdigit() else 0)
+            current = None
     return results
 
 

@@ -10,14 +10,16 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from fleetcuda.errors import InputError
-from fleetcuda.inventory import SAFE_NAME, VAR_NAME, VarValue, var_to_str
+from fleetcuda.inventory import SAFE_NAME, VAR_NAME, VAR_NAME_RE, VarValue, var_to_str
 from fleetcuda.steps import KINDS, StepSpec
 from fleetcuda.templating import TemplateError, references
 from fleetcuda.yamlsrc import SourceDoc, load_yaml
 
 AUTO = "auto"
+_UNCARRIABLE = re.compile("[\x00\ud800-\udfff]")
 # A fact's value must be a plain token (a version, a count): it is used in package names and paths.
-FACT_VALUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+# Checked with fullmatch: `$` would also let a value with a trailing newline through.
+FACT_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 # Values set by fleetcuda itself for each target; a recipe or inventory cannot override them.
 BUILTIN_VARS = ("target", "host", "vmid", "container", "venv", "python")
 
@@ -126,9 +128,16 @@ def _check_references(recipe: Recipe) -> None:
 def parse_var_overrides(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
+        if bad := _UNCARRIABLE.search(item):
+            # Bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape); NUL cannot, but a caller
+            # of this function could pass one. Neither can be put in a command.
+            shown = ascii(item[:40])
+            why = "is not UTF-8 text" if bad.group() != "\x00" else "contains a NUL character"
+            raise InputError("--var", None, shown, f"{why}; expected NAME=VALUE with NAME like cuda_version")
         name, sep, value = item.partition("=")
-        if not sep or not re.match(VAR_NAME, name):
-            raise InputError("--var", None, item[:40], "expected NAME=VALUE with NAME like cuda_version")
+        if not sep or not VAR_NAME_RE.fullmatch(name):
+            shown = item[:40] if item[:40].isprintable() else ascii(item[:40])
+            raise InputError("--var", None, shown, "expected NAME=VALUE with NAME like cuda_version")
         if name in BUILTIN_VARS:
             raise InputError("--var", None, name, "set by fleetcuda for each target; cannot be overridden")
         out[name] = value
@@ -136,6 +145,6 @@ def parse_var_overrides(items: list[str]) -> dict[str, str]:
 
 
 def check_fact_value(name: str, value: str) -> str:
-    if not FACT_VALUE.match(value):
+    if not FACT_VALUE.fullmatch(value):
         raise TemplateError(f"fact {name!r} printed {value[:60]!r}, not a plain value")
     return value

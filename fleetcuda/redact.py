@@ -1,8 +1,8 @@
 """Secrets never printed: values of password-like variables, and credentials in URLs, are replaced
 by *** in logs, dry-run output, progress lines, reports and history.
 
-The command sent to a target still carries the value (a step that needs a token must get it), so
-it can be seen by root on that host while the step runs; everything fleetcuda writes is redacted.
+A secret never travels on a command line (it is read from stdin by the step's script, see
+command.Invocation); everything fleetcuda writes or prints is redacted.
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ def secret_values(variables: Mapping[str, str]) -> list[str]:
 
 class Redactor:
     def __init__(self, secrets: Iterable[str] = ()):
-        # Longest first, so a secret containing another is masked whole.
-        self.secrets = sorted({s for s in secrets if len(s) >= MIN_SECRET}, key=len, reverse=True)
+        # Longest first, so a secret containing another is masked whole. Output is redacted line by line as
+        # it streams, so each line of a multi-line secret is a secret of its own too.
+        pieces = set()
+        for s in secrets:
+            pieces.add(s)
+            pieces.update(line for line in re.split(r"[\r\n]+", s))
+        self.secrets = sorted({s for s in pieces if len(s) >= MIN_SECRET}, key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
         for secret in self.secrets:

@@ -1,4 +1,8 @@
-"""Reporters at the edge: a rich live view on a terminal, timestamped plain lines otherwise."""
+"""Reporters at the edge: a rich live view on a terminal, timestamped plain lines otherwise.
+
+What comes from a target (output, details, errors, names) is data, never markup: it goes into rich as
+`Text`, or with markup=False, so `[/]` in a check's output is printed as it is.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import TYPE_CHECKING, TextIO
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from fleetcuda.engine import StepResult, TargetResult
@@ -74,7 +79,7 @@ class RichReporter(Reporter):
         self.live: Live | None = None
 
     def start(self, mode: str, recipe: str, targets: list[str]) -> None:
-        self.console.print(f"[bold]{mode}[/] {recipe} on {len(targets)} target(s)")
+        self.console.print(Text.assemble((mode, "bold"), f" {recipe} on {len(targets)} target(s)"))
         for t in targets:
             self.rows[t] = {"status": "pending", "step": "", "since": time.monotonic(), "last": ""}
         self.live = Live(get_renderable=self._table, console=self.console, refresh_per_second=4, transient=True)
@@ -90,8 +95,8 @@ class RichReporter(Reporter):
                 status = str(row["status"])
                 elapsed = f"{now - float(row['since']):.0f}s" if status == "running" else ""  # type: ignore[arg-type]
                 style = STATUS_STYLE.get(status, "")
-                table.add_row(t, f"[{style}]{status}[/]" if style else status, str(row["step"]), elapsed,
-                              str(row["last"]))
+                table.add_row(Text(t), Text(status, style=style), Text(str(row["step"])), elapsed,
+                              Text(str(row["last"])))
         return table
 
     def target_started(self, target: str) -> None:
@@ -109,8 +114,8 @@ class RichReporter(Reporter):
     def step_finished(self, target: str, result: StepResult) -> None:
         if result.status in ("changed", "failed", "drift", "would-change"):
             style = STATUS_STYLE.get(result.status, "")
-            self.console.print(f"{target} {result.name}: [{style}]{result.status}[/] ({result.detail}, "
-                               f"{result.duration:.1f}s)", highlight=False)
+            self.console.print(Text.assemble(f"{target} {result.name}: ", (str(result.status), style),
+                                             f" ({result.detail}, {result.duration:.1f}s)"), highlight=False)
 
     def target_finished(self, result: TargetResult) -> None:
         with self.lock:
@@ -129,13 +134,14 @@ def summary(results: list[TargetResult], console: Console) -> None:
         table.add_column(col)
     for r in results:
         style = STATUS_STYLE.get(r.status, "")
-        table.add_row(r.target, f"[{style}]{r.status}[/]", str(r.changed), str(len(r.steps)), f"{r.duration:.1f}s")
+        table.add_row(Text(r.target), Text(str(r.status), style=style), str(r.changed), str(len(r.steps)),
+                      f"{r.duration:.1f}s")
     console.print(table)
     for r in results:
         for s in r.steps:
             if s.status in ("failed", "drift"):
-                console.print(f"[bold red]{r.target}[/]: step [bold]{s.name}[/] {s.status}: {s.detail}",
-                              highlight=False)
+                console.print(Text.assemble((r.target, "bold red"), ": step ", (s.name, "bold"),
+                                            f" {s.status}: {s.detail}"), highlight=False)
                 if s.expected:
                     console.print(f"    expected: {s.expected}", markup=False, highlight=False)
                 for line in s.tail:
@@ -144,6 +150,6 @@ def summary(results: list[TargetResult], console: Console) -> None:
                 console.print(f"{r.target}: step {s.name} would run:", highlight=False)
                 console.print(f"    {s.would_run}", markup=False, highlight=False, soft_wrap=True)
         if r.error:
-            console.print(f"[bold red]{r.target}[/]: {r.status}: {r.error}", highlight=False)
+            console.print(Text.assemble((r.target, "bold red"), f": {r.status}: {r.error}"), highlight=False)
         if r.status in ("failed", "unreachable", "drift", "interrupted", "locked") and r.log:
             console.print(f"    full log: {r.log}", markup=False, highlight=False)

@@ -52,9 +52,11 @@ consumers keep working. Durations are seconds rounded to milliseconds.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
@@ -334,6 +336,15 @@ def write_atomically(path: str | os.PathLike[str], text: str, mode: int = 0o600)
     """
     target = Path(path)
     directory = target.parent
+    try:
+        existing = os.lstat(target)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        # Replacing it would swap a device (as root: /dev/null itself), a FIFO or a link for our file.
+        raise IsADirectoryError(errno.EISDIR if stat.S_ISDIR(existing.st_mode) else errno.EINVAL,
+                                "not a regular file: a report replaces a file, never a device, FIFO, link or "
+                                "directory (leave out --output to write to stdout)", str(target))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)

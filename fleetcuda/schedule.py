@@ -12,11 +12,13 @@ argv should use `--plain` and write its report with `--output`.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +120,7 @@ def cron_line(command_argv: Sequence[str], *, log_path: str, at: str = DEFAULT_A
 
 
 def _marker_re(name: str) -> re.Pattern[str]:
-    return re.compile(r"#\s*" + re.escape(MARKER) + ":" + re.escape(check_name(name)) + r"\s*$")
+    return re.compile(r"#\s*" + re.escape(MARKER) + ":" + re.escape(check_name(name)) + r"\s*\Z")
 
 
 def _crontab_argv(crontab_cmd: str | Sequence[str]) -> list[str]:
@@ -153,14 +155,45 @@ def write_crontab(text: str, crontab_cmd: str | Sequence[str] = "crontab") -> No
                             f"{proc.stderr.strip()}")
 
 
-def install_cron(line: str, name: str = DEFAULT_NAME, crontab_cmd: str | Sequence[str] = "crontab") -> bool:
+def default_lock_path() -> Path:
+    """The lock that serializes this user's crontab edits: in fleetcuda's state directory."""
+    from fleetcuda.engine import state_dir  # not at the top: the engine is heavy and needs nothing from here
+
+    return state_dir() / "crontab.lock"
+
+
+@contextmanager
+def crontab_lock(lock_path: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Hold an exclusive flock for a read-modify-write of the crontab, so that two `fleetcuda schedule` runs at
+    once cannot both read the old table and one of them drop the other's line."""
+    path = Path(lock_path) if lock_path is not None else default_lock_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as exc:
+        raise ScheduleError(f"cannot create the crontab lock {path}: {exc.strerror or exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def install_cron(line: str, name: str = DEFAULT_NAME, crontab_cmd: str | Sequence[str] = "crontab", *,
+                 lock_path: str | os.PathLike[str] | None = None) -> bool:
     """Put `line` (from cron_line, same name) in the crontab in place of the job's old line; True if it changed.
 
-    Other lines are kept as they are; an old line of this job keeps its position.
+    Other lines are kept as they are; an old line of this job keeps its position. The read and the write hold
+    crontab_lock(lock_path), so concurrent installs of different jobs all end up in the table.
     """
     pattern = _marker_re(name)
     if "\n" in line or not pattern.search(line):
         raise ValueError(f"the crontab line must be one line ending in {marker(name)!r} (build it with cron_line)")
+    with crontab_lock(lock_path):
+        return _install_cron(line, pattern, crontab_cmd)
+
+
+def _install_cron(line: str, pattern: re.Pattern[str], crontab_cmd: str | Sequence[str]) -> bool:
     current = read_crontab(crontab_cmd)
     lines = current.splitlines()
     kept: list[str] = []
@@ -187,9 +220,15 @@ def show_cron(name: str = DEFAULT_NAME, crontab_cmd: str | Sequence[str] = "cron
     return next((ln for ln in read_crontab(crontab_cmd).splitlines() if pattern.search(ln)), None)
 
 
-def remove_cron(name: str = DEFAULT_NAME, crontab_cmd: str | Sequence[str] = "crontab") -> bool:
-    """Delete the job's line, leaving every other line as it is; True if there was one."""
+def remove_cron(name: str = DEFAULT_NAME, crontab_cmd: str | Sequence[str] = "crontab", *,
+                lock_path: str | os.PathLike[str] | None = None) -> bool:
+    """Delete the job's line, leaving every other line as it is; True if there was one (under crontab_lock)."""
     pattern = _marker_re(name)
+    with crontab_lock(lock_path):
+        return _remove_cron(pattern, crontab_cmd)
+
+
+def _remove_cron(pattern: re.Pattern[str], crontab_cmd: str | Sequence[str]) -> bool:
     current = read_crontab(crontab_cmd)
     lines = current.splitlines()
     kept = [ln for ln in lines if not pattern.search(ln)]
@@ -333,7 +372,7 @@ def install_systemd(name: str, command_argv: Sequence[str], unit_dir: str | os.P
     service_text, timer_text = systemd_units(name, command_argv, on_calendar, nice=nice,
                                              randomized_delay=randomized_delay, user=user,
                                              working_directory=working_directory, description=description)
-    directory = Path(unit_dir)
+    directory = _unit_dir(unit_dir)
     if not directory.is_dir():
         raise ScheduleError(f"unit directory {directory} does not exist")
     stem = unit_name(name)
@@ -347,12 +386,21 @@ def install_systemd(name: str, command_argv: Sequence[str], unit_dir: str | os.P
     return SystemdInstall(service_path, timer_path, changed, " && ".join(shlex.join(c) for c in commands), activate)
 
 
+def _unit_dir(unit_dir: str | os.PathLike[str]) -> Path:
+    """unit_dir as a Path; ValueError (bad input) when something other than a directory is there."""
+    directory = Path(unit_dir)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"unit directory {directory} is not a directory")
+    return directory
+
+
 def show_systemd(name: str, unit_dir: str | os.PathLike[str] = SYSTEM_UNIT_DIR) -> dict[Path, str]:
     """The job's unit files that exist in unit_dir, path -> text (empty when it is not installed)."""
     stem = unit_name(name)
+    directory = _unit_dir(unit_dir)
     found: dict[Path, str] = {}
     for suffix in (".service", ".timer"):
-        path = Path(unit_dir) / f"{stem}{suffix}"
+        path = directory / f"{stem}{suffix}"
         if path.exists():
             found[path] = path.read_text(encoding="utf-8")
     return found
@@ -366,11 +414,12 @@ def remove_systemd(name: str, unit_dir: str | os.PathLike[str] = SYSTEM_UNIT_DIR
     `systemctl daemon-reload`, through `runner`.
     """
     stem = unit_name(name)
+    directory = _unit_dir(unit_dir)
     if deactivate:
         runner([*systemctl, "disable", "--now", f"{stem}.timer"])
     removed: list[Path] = []
     for suffix in (".timer", ".service"):
-        path = Path(unit_dir) / f"{stem}{suffix}"
+        path = directory / f"{stem}{suffix}"
         try:
             path.unlink()
         except FileNotFoundError:

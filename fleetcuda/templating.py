@@ -1,13 +1,24 @@
 """`{{ name }}` and `{{ name | filter }}` substitution.
 
-In shell text every value is inserted shell-quoted, so a variable can never inject commands; in
-module fields (a URL, a package spec) the raw value is inserted and the module quotes it.
+In module fields (a URL, a package spec) the raw value is inserted and the module quotes it.
+
+In shell text a value never becomes shell syntax, whatever quotes it stands in: each `{{ x }}` is
+replaced by a reference to a shell variable (`"${fc_x}"` where words are split, `${fc_x}` inside
+double quotes and unquoted heredocs), and the variable is set before the script runs (plain values by
+an assignment fleetcuda writes, quoted once; secrets read from stdin). Where the shell expands nothing
+(single quotes, `$'...'`, a quoted heredoc, `${...}`), `{{ }}` is refused: the value would have to be
+spliced into text another program parses. In arithmetic only an integer is accepted, and inside `[[ ]]`
+no `[` (bash evaluates `a[$(cmd)]` there). A `{{ }}` in a comment is left as it is.
+
+What still runs a value is a script that hands it to another interpreter as code (`eval "$v"`,
+`bash -c "...{{ x }}..."`, `python -c "...{{ x }}..."`): pass values to programs through `env:` instead.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from fleetcuda.command import quote
 
@@ -18,6 +29,7 @@ FILTERS: dict[str, Callable[[str], str]] = {
     "nodot": lambda v: v.replace(".", ""),
     "major": lambda v: v.split(".")[0],
 }
+_INTEGER = re.compile(r"-?[0-9]+\Z")
 
 
 class TemplateError(ValueError):
@@ -28,16 +40,282 @@ def references(text: str) -> set[str]:
     return {m.group(1) for m in _REF.finditer(text)}
 
 
-def render(text: str, values: Mapping[str, str], *, shell: bool) -> str:
-    def sub(m: re.Match[str]) -> str:
-        name, filt = m.group(1), m.group(2)
-        if name not in values:
-            raise TemplateError(f"undefined variable {name!r}")
-        value = values[name]
-        if filt:
-            if filt not in FILTERS:
-                raise TemplateError(f"unknown filter {filt!r} (known: {', '.join(sorted(FILTERS))})")
-            value = FILTERS[filt](value)
-        return quote(value) if shell else value
+def _value(m: re.Match[str], values: Mapping[str, str]) -> str:
+    name, filt = m.group(1), m.group(2)
+    if name not in values:
+        raise TemplateError(f"undefined variable {name!r}")
+    value = values[name]
+    if filt:
+        if filt not in FILTERS:
+            raise TemplateError(f"unknown filter {filt!r} (known: {', '.join(sorted(FILTERS))})")
+        value = FILTERS[filt](value)
+    return value
 
-    return _REF.sub(sub, text)
+
+def render(text: str, values: Mapping[str, str], *, shell: bool) -> str:
+    """Raw substitution, for module fields (never shell text: see render_shell)."""
+    if shell:
+        rendered = render_shell(text, values)
+        return rendered.prologue() + rendered.text
+    return _REF.sub(lambda m: _value(m, values), text)
+
+
+def shell_var(m: re.Match[str]) -> str:
+    """The shell variable that holds `{{ name | filter }}`: fc_NAME, or fcf_FILTER_NAME (never the same)."""
+    name, filt = m.group(1), m.group(2)
+    return f"fcf_{filt}_{name}" if filt else f"fc_{name}"
+
+
+@dataclass
+class RenderedShell:
+    text: str  # the script with every {{ }} replaced by a variable reference
+    vars: dict[str, str] = field(default_factory=dict)  # shell variable -> value it must hold
+    names: dict[str, str] = field(default_factory=dict)  # shell variable -> recipe variable it comes from
+
+    def prologue(self, secret: frozenset[str] = frozenset()) -> str:
+        """Assignments of the non-secret variables, quoted once (secrets are set from stdin)."""
+        return "".join(f"{v}={quote(val)}\n" for v, val in self.vars.items() if self.names[v] not in secret)
+
+
+def render_shell(text: str, values: Mapping[str, str]) -> RenderedShell:
+    out: list[str] = []
+    pos = 0
+    result = RenderedShell("")
+    for m, ctx in scan(text):
+        value = _value(m, values)
+        ref = m.group(0)
+        out.append(text[pos:m.start()])
+        pos = m.end()
+        if ctx == "comment":
+            out.append(ref)
+            continue
+        if ctx in _REFUSED:
+            raise TemplateError(f"{ref} {_REFUSED[ctx]}")
+        if ctx in ("arith", "arithline", "subscript"):
+            if not _INTEGER.match(value):
+                raise TemplateError(f"{ref} is in arithmetic, where only an integer is safe (it is {value[:40]!r})")
+            out.append(value)
+            continue
+        if ctx == "dbracket" and "[" in value:
+            raise TemplateError(f"{ref} is inside [[ ]], where bash would evaluate {value[:40]!r} as code "
+                                "(a value with '['); use [ ] or a variable set outside [[ ]]")
+        var = shell_var(m)
+        result.vars[var] = value
+        result.names[var] = m.group(1)
+        out.append(f"${{{var}}}" if ctx in ("dq", "heredoc") else f'"${{{var}}}"')
+    out.append(text[pos:])
+    result.text = "".join(out)
+    return result
+
+
+_REFUSED = {
+    "sq": "is inside single quotes, where the shell expands nothing: put it outside them "
+          "(e.g. 'text'{{ x }}'text') or in double quotes; to hand it to a program, use the step's env:",
+    "ansic": "is inside $'...', where the shell expands nothing: use double quotes",
+    "heredoc_q": "is inside a quoted heredoc (<<'EOF'), where the shell expands nothing: pass it in the "
+                 "step's env: and read it from the environment",
+    "param": "is inside ${...}: set a variable from it first (v={{ x }}) and use that",
+}
+
+_WORD_BREAK = set(" \t\n;&|()<>")
+# Commands whose arguments bash evaluates as arithmetic (to the end of the command), and `name[` at the start
+# of a word (an array subscript, arithmetic too): there a value is an integer or refused.
+_ARITH_COMMAND = re.compile(r"(let|(declare|typeset|local|readonly|export)\s+(-[A-Za-z]*\s+)*-[A-Za-z]*i[A-Za-z]*)\s")
+_SUBSCRIPT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\[")
+
+
+def scan(text: str) -> list[tuple[re.Match[str], str]]:
+    """Each `{{ }}` of a bash script with the quoting context it stands in: top (unquoted), dq, sq,
+    ansic, bq (backticks), cmdsub, arith, param, dbracket, comment, heredoc, heredoc_q."""
+    found: list[tuple[re.Match[str], str]] = []
+    stack: list[list] = [["top", 0]]
+    heredocs: list[tuple[str, bool, bool]] = []  # delimiter, strip tabs, quoted
+    i, n = 0, len(text)
+
+    def at_word_start(j: int) -> bool:
+        return j == 0 or text[j - 1] in _WORD_BREAK
+
+    while i < n:
+        ctx = stack[-1][0]
+        m = _REF.match(text, i)
+        if m:
+            found.append((m, ctx))
+            i = m.end()
+            continue
+        c = text[i]
+        two = text[i:i + 2]
+        if ctx == "sq":
+            if c == "'":
+                stack.pop()
+            i += 1
+        elif ctx == "ansic":
+            if c == "\\":
+                i += 2
+                continue
+            if c == "'":
+                stack.pop()
+            i += 1
+        elif ctx == "comment":
+            if c == "\n":
+                stack.pop()  # the newline is the parent's (it may start heredoc bodies)
+            else:
+                i += 1
+        elif ctx == "dq":
+            if c == "\\":
+                i += 2
+            elif c == '"':
+                stack.pop()
+                i += 1
+            else:
+                i = _open_expansion(text, i, stack)
+        elif ctx == "param":
+            if c == "\\":
+                i += 2
+            elif c == "}":
+                if stack[-1][1] == 0:
+                    stack.pop()
+                else:
+                    stack[-1][1] -= 1
+                i += 1
+            elif two == "${":
+                stack[-1][1] += 1
+                i += 2
+            elif c == '"':
+                stack.append(["dq", 0])
+                i += 1
+            elif c == "'":
+                stack.append(["sq", 0])
+                i += 1
+            else:
+                i = _open_expansion(text, i, stack)
+        elif ctx == "arithline":
+            if c in "\n;&|":
+                stack.pop()
+            elif c == "\\":
+                i += 2
+            else:
+                i = _open_expansion(text, i, stack)
+        elif ctx == "subscript":
+            if c == "]":
+                stack.pop()
+                i += 1
+            else:
+                i = _open_expansion(text, i, stack)
+        elif ctx == "arith":
+            if c == "(":
+                stack[-1][1] += 1
+                i += 1
+            elif c == ")":
+                if stack[-1][1] == 0 and text[i + 1:i + 2] == ")":
+                    stack.pop()
+                    i += 2
+                else:
+                    stack[-1][1] = max(0, stack[-1][1] - 1)
+                    i += 1
+            else:
+                i = _open_expansion(text, i, stack)
+        else:  # top, cmdsub, bq, dbracket: shell code
+            if c == "\\":
+                i += 2
+            elif c == "'":
+                stack.append(["sq", 0])
+                i += 1
+            elif two == "$'":
+                stack.append(["ansic", 0])
+                i += 2
+            elif c == '"':
+                stack.append(["dq", 0])
+                i += 1
+            elif c == "`" and ctx == "bq":
+                stack.pop()
+                i += 1
+            elif c == "#" and at_word_start(i):
+                stack.append(["comment", 0])
+                i += 1
+            elif at_word_start(i) and (m := _ARITH_COMMAND.match(text, i)):
+                stack.append(["arithline", 0])
+                i = m.end()
+            elif at_word_start(i) and (m := _SUBSCRIPT.match(text, i)):
+                stack.append(["subscript", 0])
+                i = m.end()
+            elif two == "((" and at_word_start(i):
+                stack.append(["arith", 0])
+                i += 2
+            elif two == "[[" and at_word_start(i) and text[i + 2:i + 3] in (" ", "\t", "\n"):
+                stack.append(["dbracket", 0])
+                i += 2
+            elif two == "]]" and ctx == "dbracket":
+                stack.pop()
+                i += 2
+            elif ctx == "cmdsub" and c == "(":
+                stack[-1][1] += 1
+                i += 1
+            elif ctx == "cmdsub" and c == ")":
+                if stack[-1][1] == 0:
+                    stack.pop()
+                else:
+                    stack[-1][1] -= 1
+                i += 1
+            elif two == "<<" and text[i + 2:i + 3] != "<":
+                i = _heredoc_operator(text, i + 2, heredocs)
+            elif c == "\n" and heredocs:
+                i = _heredoc_bodies(text, i + 1, heredocs, found)
+            else:
+                i = _open_expansion(text, i, stack)
+    return found
+
+
+def _open_expansion(text: str, i: int, stack: list[list]) -> int:
+    """`$((`, `$(`, `${` or a backtick at i opens a context; otherwise one character is consumed."""
+    if text.startswith("$((", i):
+        stack.append(["arith", 0])
+        return i + 3
+    if text.startswith("$[", i):
+        stack.append(["arith", 0])  # bash's old $[ ] arithmetic; closed by `]`, close enough to be safe
+        return i + 2
+    if text.startswith("$(", i):
+        stack.append(["cmdsub", 0])
+        return i + 2
+    if text.startswith("${", i):
+        stack.append(["param", 0])
+        return i + 2
+    if text[i] == "`":
+        stack.append(["bq", 0])
+        return i + 1
+    return i + 1
+
+
+_DELIM = re.compile(r"[^\s;&|<>()]+")
+
+
+def _heredoc_operator(text: str, i: int, heredocs: list[tuple[str, bool, bool]]) -> int:
+    strip = text[i:i + 1] == "-"
+    if strip:
+        i += 1
+    while i < len(text) and text[i] in " \t":
+        i += 1
+    m = _DELIM.match(text, i)
+    if not m:
+        return i
+    word = m.group(0)
+    quoted = any(q in word for q in "'\"\\")
+    heredocs.append((re.sub(r"['\"\\]", "", word), strip, quoted))
+    return m.end()
+
+
+def _heredoc_bodies(text: str, i: int, heredocs: list[tuple[str, bool, bool]],
+                    found: list[tuple[re.Match[str], str]]) -> int:
+    """Read the bodies of the heredocs opened on the line that just ended; return where code resumes."""
+    for delim, strip, quoted in heredocs:
+        while i < len(text):
+            end = text.find("\n", i)
+            end = len(text) if end < 0 else end
+            line = text[i:end]
+            if (line.lstrip("\t") if strip else line) == delim:
+                i = end + 1
+                break
+            for m in _REF.finditer(text, i, end):
+                found.append((m, "heredoc_q" if quoted else "heredoc"))
+            i = end + 1
+    heredocs.clear()
+    return i

@@ -7,9 +7,13 @@ An entry whose wheel no longer has its recorded sha256 is never installed: it is
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -63,12 +67,70 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_RENAME_EXCHANGE = 2  # renameat2(2) flag: swap two paths in one step
+_AT_FDCWD = -100
+_libc: ctypes.CDLL | None = None
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the directories at a and b atomically (Linux renameat2 RENAME_EXCHANGE): every reader of b sees
+    either what was there or what replaces it, never nothing. OSError where the system cannot do it."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(b))
+
+
+def _replace_dir(new: Path, final: Path) -> Path | None:
+    """Put directory `new` at `final`, replacing what is there at once where the system allows it; returns the
+    path now holding the replaced directory (for the caller to delete), or None if there was none."""
+    try:
+        new.rename(final)  # nothing there yet: a plain rename
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    try:
+        _exchange(new, final)
+        return new
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    # No atomic swap here: move the old entry aside, then the new one in (a reader may see no entry briefly).
+    old = final.with_name(f".old.{final.name}.{os.getpid()}.{threading.get_ident()}")
+    final.rename(old)
+    new.rename(final)
+    return old
+
+
+def _sha256_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    while block := os.read(fd, 1 << 20):
+        h.update(block)
+    return h.hexdigest()
+
+
 def _write_json(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".provenance.")
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1, sort_keys=True)
         fh.write("\n")
     os.replace(tmp, path)
+
+
+def _replaced(where: Path, dfd: int) -> bool:
+    """Whether `where` is no longer the directory open as dfd (replaced or removed since it was opened)."""
+    try:
+        now = os.stat(where)
+    except OSError:
+        return True
+    opened = os.fstat(dfd)
+    return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
 
 
 class WheelCache:
@@ -96,14 +158,42 @@ class WheelCache:
         return entry
 
     def _read(self, where: Path) -> CacheEntry | Problem:
+        """Read one entry through a handle on its directory, so that an entry replaced meanwhile (store swaps the
+        whole directory) is read whole, old or new; a read spoiled by a replacement is tried again."""
+        found: CacheEntry | Problem = Problem(where, "it kept being replaced while read")
+        for _ in range(5):
+            try:
+                dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return Problem(where, "it was removed while read")
+            except OSError as exc:
+                return Problem(where, f"unreadable: {exc.strerror or exc}")
+            try:
+                found = self._read_at(where, dfd)
+                if isinstance(found, CacheEntry) or not _replaced(where, dfd):
+                    return found
+            finally:
+                os.close(dfd)
+        return found
+
+    def _read_at(self, where: Path, dfd: int) -> CacheEntry | Problem:
         try:
-            provenance = json.loads((where / PROVENANCE).read_text(encoding="utf-8"))
+            fd = os.open(PROVENANCE, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, encoding="utf-8") as fh:
+                provenance = json.loads(fh.read())
             wheel = where / provenance["wheel"]
             if Path(provenance["wheel"]).name != provenance["wheel"] or not provenance["wheel"].endswith(".whl"):
                 return Problem(where, "its provenance names no wheel file")
-            if not wheel.is_file():
+            try:
+                wfd = os.open(provenance["wheel"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+            except FileNotFoundError:
                 return Problem(where, f"{wheel.name} is missing")
-            actual = sha256(wheel)
+            try:
+                if not stat.S_ISREG(os.fstat(wfd).st_mode):
+                    return Problem(where, f"{wheel.name} is missing")
+                actual = _sha256_fd(wfd)
+            finally:
+                os.close(wfd)
             if actual != provenance["sha256"]:
                 return Problem(where, f"{wheel.name} has sha256 {actual[:16]}..., not the recorded "
                                       f"{str(provenance['sha256'])[:16]}... (changed or truncated)")
@@ -131,11 +221,10 @@ class WheelCache:
                     "fingerprint": {k: fingerprint[k] for k in FIELDS}, "key": key(fingerprint),
                     "stored_at": _now(), "last_used": _now(), "installs": 0}
             _write_json(staging / PROVENANCE, data)
-            if final.exists():
-                old = final.with_name(f".old.{final.name}.{os.getpid()}")
-                final.rename(old)
+            # Atomic: a reader of the entry (another target's install) sees the old one or the new one.
+            old = _replace_dir(staging, final)
+            if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            staging.rename(final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return CacheEntry(final, final / data["wheel"], data)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetcuda.command import join_for_paste, quote
-from fleetcuda.errors import FleetcudaError
+from fleetcuda.errors import FleetcudaError, InputError
 from fleetcuda.inventory import Target
 from fleetcuda.recipe import Recipe
 from fleetcuda.templating import render
@@ -68,7 +68,18 @@ def run_download(plan: DownloadPlan, echo: Callable[[str], None]) -> None:
 
 
 def files_of(directory: Path) -> list[Path]:
-    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
+    """The wheels and sdists in DIR; a DIR that is missing, not a directory or unreadable is bad input."""
+    shown = str(directory) if str(directory).isprintable() else ascii(str(directory))
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        raise InputError("wheelhouse push", None, "DIR", f"{shown}: no such directory") from None
+    except NotADirectoryError:
+        raise InputError("wheelhouse push", None, "DIR", f"{shown} is not a directory") from None
+    except (OSError, ValueError) as exc:
+        raise InputError("wheelhouse push", None, "DIR",
+                         f"{shown}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    files = sorted(p for p in entries if p.is_file() and p.name.endswith(SUFFIXES))
     if not files:
         raise FleetcudaError(f"{directory} holds no wheels or sdists")
     return files

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,11 @@ MAX_DEPTH = 64
 MAX_INT_CHARS = 1000
 INT_TAG = "tag:yaml.org,2002:int"
 LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")  # what YAML counts as a new line
+# A YAML escape can still produce these: NUL cannot reach a command, an environment or a path, and a lone
+# surrogate cannot be encoded (logs, history, reports, the terminal). Refused wherever a string holds one.
+_UNCARRIABLE = re.compile("[\x00\ud800-\udfff]")
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 Loc = tuple[str | int, ...]
 
@@ -107,15 +114,43 @@ def _message(err: dict[str, Any]) -> str:
     return msg.removeprefix("Value error, ")
 
 
+def read_bounded(path: str | Path, limit: int = MAX_FILE_BYTES) -> bytes:
+    """A regular file's bytes, at most limit + 1 of them (so the caller can tell it is too large).
+
+    A FIFO, device or socket is refused before any read: reading a FIFO waits for a writer forever, and
+    /dev/zero never ends. O_NONBLOCK keeps the open itself from waiting on a FIFO.
+    """
+    shown = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise InputError(shown, None, "", "file not found") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise InputError(shown, None, "", f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise InputError(shown, None, "", f"cannot read: {what}, not a regular file")
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise InputError(shown, None, "", f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
 def load_yaml(path: str | Path) -> SourceDoc:
     path = Path(path)
     shown = str(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(shown, None, "", "file not found") from None
-    except OSError as exc:
-        raise InputError(shown, None, "", f"cannot read: {exc.strerror}") from None
+    raw = read_bounded(path)
     if len(raw) > MAX_FILE_BYTES:
         raise InputError(shown, None, "", f"file is larger than {MAX_FILE_BYTES} bytes")
     try:
@@ -136,6 +171,11 @@ def parse_yaml(text: str, shown: str) -> SourceDoc:
         lines: dict[Loc, int] = {}
         sequences: set[Loc] = set()
         data = _build(loader, node, (), lines, sequences, [0]) if node is not None else None
+    except _Uncarriable as exc:
+        doc = SourceDoc(shown, None, lines, sequences)
+        # Inside a top-level list there is no field to name (neither file kind is a list): the line says where.
+        field = doc.format_loc(exc.loc) if exc.loc and not isinstance(exc.loc[0], int) else ""
+        raise InputError(shown, doc.line_of(exc.loc), field, exc.message) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
@@ -148,6 +188,22 @@ def parse_yaml(text: str, shown: str) -> SourceDoc:
     finally:
         loader.dispose()
     return SourceDoc(shown, data, lines, sequences)
+
+
+class _Uncarriable(Exception):
+    """A string a YAML escape made that no command, file or terminal can carry; at loc."""
+
+    def __init__(self, loc: Loc, message: str):
+        super().__init__(message)
+        self.loc = loc
+        self.message = message
+
+
+def _check_text(value: Any, loc: Loc, what: str) -> None:
+    if isinstance(value, str) and (bad := _UNCARRIABLE.search(value)):
+        char = bad.group()
+        problem = "a NUL character (\\0)" if char == "\x00" else f"a lone surrogate ({ascii(char)[1:-1]})"
+        raise _Uncarriable(loc, f"{what} contains {problem}, which cannot be passed on; remove it")
 
 
 def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, int], sequences: set[Loc],
@@ -170,6 +226,8 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
             if not isinstance(key, (str, int, float, bool)):
                 raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
                                            problem_mark=key_node.start_mark)
+            lines[loc + (key,)] = key_node.start_mark.line + 1
+            _check_text(key, loc + (key,), "the key")
             if key in out and key not in from_merge:
                 raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
             # A mapping's own key overrides one merged in with `<<`, as YAML specifies.
@@ -185,6 +243,7 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
         sequences.add(loc)
         return [_build(loader, item, loc + (i,), lines, sequences, count) for i, item in enumerate(node.value)]
     value = _scalar(loader, node)
+    _check_text(value, loc, "the value")
     # A version such as `cuda_version: 12.10` must not become the float 12.1: keep the text.
     return node.value if isinstance(value, float) else value
 

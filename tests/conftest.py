@@ -65,7 +65,9 @@ def labelled_pids(label: str, vmid: int | None = None, script_has: str | None = 
                 args = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if len(args) > 2 and args[-2] == label.encode() and (vmid is None or str(vmid).encode() in args) \
+            # A step's label is `fleetcuda:<step>@<run id>`: `label` names it without the run id.
+            if len(args) > 2 and args[-2].partition(b"@")[0] == label.encode() \
+                    and (vmid is None or str(vmid).encode() in args) \
                     and (script_has is None or script_has.encode() in args[-3]):
                 pids.append(int(d.name))
     return pids

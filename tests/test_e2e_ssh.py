@@ -3,6 +3,7 @@ shells bash (root), zsh and dash (non-root users reaching pct through `sudo -n`)
 
 from __future__ import annotations
 
+import re
 import os
 import subprocess
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_apply_converges_then_second_apply_changes_nothing(lab: LoopbackSshd, en
     # A converged target costs one pct exec: its three checks (make-dir, write-greeting, env-is-clean)
     # travel in one batch; may-fail is skipped by its `when`.
     assert len(scripts) == len(CONTAINERS)
-    assert all(s.count("@@fleetcuda-batch begin") == 3 for s in scripts)
+    assert all(len(re.findall(r"@@fleetcuda:[0-9a-f]+ begin", s)) == 3 for s in scripts)
 
 
 def test_non_root_users_reach_pct_through_sudo_n(lab: LoopbackSshd, env: dict[str, Path]) -> None:

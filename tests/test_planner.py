@@ -71,18 +71,23 @@ def test_auto_values_come_from_one_fact_round_trip() -> None:
     values = base_values(recipe, target, {"cuda_version": "auto", "max_jobs": "auto"})
     names = pending_facts(recipe, values)
     assert names == ["cuda_version", "max_jobs"]
-    cmd = facts_command(recipe, target, values, names)
+    nonce = "0123456789abcdef"
+    cmd = facts_command(recipe, target, values, names, nonce=nonce)
     assert "import torch" in cmd.argv[-2] and "nproc" in cmd.argv[-2]
-    output = "@@fleetcuda-fact cuda_version\n13.0\n@@fleetcuda-fact end 0\n@@fleetcuda-fact max_jobs\n16\n"
-    facts = parse_facts(output + "@@fleetcuda-fact end 0\n", names)
+    mark = f"@@fleetcuda:{nonce}"
+    output = f"\n{mark} fact cuda_version\n| 13.0\n\n{mark} fact max_jobs\n| 16\n"
+    facts = parse_facts(output, names, nonce)
     assert facts == {"cuda_version": "13.0", "max_jobs": "16"}
     plan = make_plan(recipe, target, {**values, **facts})
     compiler = next(s for s in plan.steps if s.name == "cuda-compiler")
     assert "cuda-nvcc-13-0" in compiler.apply.argv[-2]
     with pytest.raises(TemplateError):
-        parse_facts("@@fleetcuda-fact cuda_version\n$(reboot)\n", ["cuda_version"])
+        parse_facts(f"{mark} fact cuda_version\n| $(reboot)\n", ["cuda_version"], nonce)
     with pytest.raises(TemplateError):
-        parse_facts("", ["cuda_version"])
+        parse_facts("", ["cuda_version"], nonce)
+    # A fact's own output can never pose as a frame: its lines arrive prefixed, so this reads as no value.
+    with pytest.raises(TemplateError):
+        parse_facts(f"{mark} fact cuda_version\n| {mark} fact max_jobs\n", ["cuda_version"], nonce)
 
 
 def test_when_skips_steps(tmp_path: Path) -> None:

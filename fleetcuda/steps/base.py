@@ -6,14 +6,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StringConstraints
 
 from fleetcuda.inventory import SAFE_NAME, VAR_NAME
-from fleetcuda.templating import render
+from fleetcuda.templating import render, render_shell
 
 StepName = Annotated[str, StringConstraints(pattern=SAFE_NAME)]
 EnvName = Annotated[str, StringConstraints(pattern=VAR_NAME)]
-WHEN = r"^\s*!?\s*[A-Za-z_][A-Za-z0-9_]*\s*((==|!=)\s*\S.*)?$"
+# pydantic's regex engine: `\A`/`\z` are the very start and end of the text (never `$`, which Python's re lets
+# match before a trailing newline).
+WHEN = r"\A\s*!?\s*[A-Za-z_][A-Za-z0-9_]*\s*((==|!=)\s*\S.*)?\z"
+
+
+def _not_bool(value: object) -> object:
+    # `retry_delay: true` is a mistake, not 1.0 seconds. (Numbers arrive as YAML text, so the float is not strict.)
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number of seconds, not {str(value).lower()}")
+    return value
+
+
+Seconds = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class StepSpec(BaseModel):
@@ -25,9 +37,10 @@ class StepSpec(BaseModel):
     when: Annotated[str, StringConstraints(pattern=WHEN)] | None = Field(
         default=None, description="`var`, `!var`, `var == value` or `var != value`")
     env: dict[EnvName, str | int | bool] = Field(default_factory=dict)
-    timeout: int = Field(default=1800, ge=1, le=24 * 3600, description="seconds, per command")
-    retries: int = Field(default=0, ge=0, le=10, description="extra tries of apply, for retryable steps")
-    retry_delay: float = Field(default=5.0, ge=0, le=600, description="first backoff, doubled each try")
+    # Strict: `timeout: true` or `retries: true` must not become 1.
+    timeout: StrictInt = Field(default=1800, ge=1, le=24 * 3600, description="seconds, per command")
+    retries: StrictInt = Field(default=0, ge=0, le=10, description="extra tries of apply, for retryable steps")
+    retry_delay: Seconds = Field(default=5.0, ge=0, le=600, description="first backoff, doubled each try")
     satisfied_if: str | None = Field(
         default=None, description="shell condition that, when it holds, satisfies the step whatever its check says "
                                   "(e.g. a CUDA toolchain installed some other way)")
@@ -35,17 +48,32 @@ class StepSpec(BaseModel):
 
 @dataclass
 class StepContext:
-    """What a kind may read while planning: the variables and the target's Python."""
+    """What a kind may read while planning: the variables and the target's Python. One per step: it
+    collects the shell variables that the step's scripts refer to (see templating.render_shell)."""
 
     values: Mapping[str, str]
     python: str
     recipe: str
+    shell_vars: dict[str, str] = field(default_factory=dict)  # shell variable -> value
+    sources: dict[str, str] = field(default_factory=dict)  # shell variable -> the variable it comes from
 
     def shell(self, text: str) -> str:
-        return render(text, self.values, shell=True)
+        """Shell text with each {{ }} as a reference to a variable the step's commands set first."""
+        rendered = render_shell(text, self.values)
+        self.shell_vars.update(rendered.vars)
+        self.sources.update(rendered.names)
+        return rendered.text
 
     def raw(self, text: str) -> str:
         return render(text, self.values, shell=False)
+
+    def var(self, source: str, value: str) -> str:
+        """A shell variable holding `value` (named after `source`, e.g. an env_file's variable), for
+        scripts that must not contain the value itself (it may be a secret)."""
+        name = f"fce_{source}"
+        self.shell_vars[name] = value
+        self.sources[name] = source
+        return name
 
 
 @dataclass

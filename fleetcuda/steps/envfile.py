@@ -21,19 +21,33 @@ class EnvFileStep(StepSpec):
         path = ctx.raw(self.path) if self.path else f"/etc/profile.d/{self.name}.sh"
         exports = {k: ctx.raw(v) for k, v in self.vars.items()}
         prepend = [ctx.raw(p) for p in self.path_prepend]
-        lines = [f"# Written by fleetcuda (recipe {ctx.recipe}, step {self.name}); changes are overwritten."]
-        lines += [f"export {k}={quote(v)}" for k, v in exports.items()]
+        # The file's text is made on the target from shell variables, so that a secret value is in no
+        # script (nor on a command line): `sq` single-quotes a value for the sh that reads profile.d.
+        header = f"# Written by fleetcuda (recipe {ctx.recipe}, step {self.name}); changes are overwritten."
+        lines = ["sq() {",
+                 "  case $1 in",  # plain words stay bare, as command.quote leaves them
+                 "    ''|[!A-Za-z0-9_/.:@%+,-]*|*[!A-Za-z0-9_/.:@%+,=-]*)",
+                 "      local s=${1//\\'/\\'\\\\\\'\\'}; printf \"'%s'\" \"$s\" ;;",
+                 "    *) printf '%s' \"$1\" ;;",
+                 "  esac",
+                 "}", "content() {",
+                 f"  printf '%s\\n' {quote(header)}"]
+        for k, v in exports.items():
+            lines.append(f'  printf \'export {k}=%s\\n\' "$(sq "${{{ctx.var(k, v)}}}")"')
         if prepend:
-            lines.append("export PATH=" + ":".join(quote(p) for p in prepend) + ':"$PATH"')
-        content = "\n".join(lines) + "\n"
-        same = f"printf '%s' {quote(content)} | cmp -s - {quote(path)}"
+            path_line = "export PATH=" + ":".join(quote(p) for p in prepend) + ':"$PATH"'
+            lines.append(f"  printf '%s\\n' {quote(path_line)}")
+        lines.append("}")
+        content = "\n".join(lines)
+        same = f"{content}\ncontent | cmp -s - {quote(path)}"
         done = all_of(same, ctx.shell(self.verify) if self.verify else None)
         apply = "\n".join([
             "set -e -o pipefail",
+            content,
             f"target={quote(path)}",
             'mkdir -p -- "$(dirname -- "$target")"',
             'tmp=$(mktemp "$target.XXXXXX")',
-            f"printf '%s' {quote(content)} > \"$tmp\"",
+            'content > "$tmp"',
             'chmod 0644 "$tmp"',
             'mv -f -- "$tmp" "$target"',
         ])

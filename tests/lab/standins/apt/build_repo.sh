@@ -9,6 +9,7 @@
 #   OUTDIR/compute/cuda/repos/debian12/x86_64/
 #     cuda-keyring_1.1-1_all.deb            keyring + sources list pointing at REPO_BASE_URL
 #     cuda-{cccl,cudart,cudart-dev,nvcc}-{12-8,13-0}_*.deb   stand-ins: placeholders and a fake nvcc
+#                                           (the 13-0 ones real, see FLEETCUDA_CUDA13_DEBS below)
 #     Packages Packages.gz Release Release.gpg InRelease
 #     .fleetcuda-build                      stamp: what this build was made for (written last)
 #
@@ -17,6 +18,11 @@
 # throwaway GNUPGHOME, so a rebuild rotates it: containers must reinstall cuda-keyring afterwards.
 # A complete build for the same REPO_BASE_URL by the same script is kept as it is (exit 0, no
 # changes), unless FLEETCUDA_APT_REBUILD=1.  Exit codes: 0 ok, 2 usage, 3 a tool is missing.
+#
+# FLEETCUDA_CUDA13_DEBS=DIR: DIR is an output of cuda13_debs.py (the real CUDA 13.0 compiler, repackaged
+# from NVIDIA's PyPI wheels, with cuda-crt-13-0, libnvvm-13-0, cuda-driver-dev-13-0 and the config-common
+# packages): its .debs replace the 13-0 placeholders.  It must be complete and up to date, as
+# `python3 cuda13_debs.py --check DIR` says (exit 1 if not).
 set -euo pipefail
 
 DISTRO=debian12
@@ -80,7 +86,17 @@ exec 9>"$OUTDIR/.fleetcuda-build.lock"
 flock 9
 
 SCRIPT_SHA=$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)
-WANT_STAMP=$(printf 'base_url=%s\nscript_sha256=%s\n' "$BASE_URL" "$SCRIPT_SHA")
+CUDA13_DEBS=${FLEETCUDA_CUDA13_DEBS:-}
+CUDA13=placeholders
+if [ -n "$CUDA13_DEBS" ]; then
+    if ! python3 "$(dirname "${BASH_SOURCE[0]}")/cuda13_debs.py" --check "$CUDA13_DEBS"; then
+        echo "${0##*/}: FLEETCUDA_CUDA13_DEBS=$CUDA13_DEBS is not a complete, current build of cuda13_debs.py" >&2
+        exit 1
+    fi
+    CUDA13_DEBS=$(cd "$CUDA13_DEBS" && pwd)
+    CUDA13="$CUDA13_DEBS sha256=$(sha256sum "$CUDA13_DEBS/.fleetcuda-cuda13" | cut -d' ' -f1)"
+fi
+WANT_STAMP=$(printf 'base_url=%s\nscript_sha256=%s\ncuda13=%s\n' "$BASE_URL" "$SCRIPT_SHA" "$CUDA13")
 OUTPUTS=(Packages Packages.gz Release Release.gpg InRelease cuda-keyring_1.1-1_all.deb)
 
 complete() {
@@ -226,11 +242,12 @@ EOF
         "cuda-cudart-$dashed (>= $cudart_v), cuda-cccl-$dashed (>= $cccl_v)" "CUDA Runtime native dev links, headers" \
         "$PLACEHOLDERS"
 
-    # cuda-nvcc: a driver script that only knows --version.
+    # cuda-nvcc: a driver script that only knows --version, and that a compile needs a host compiler.
     root=$(begin_pkg "cuda-nvcc-$dashed")
     put "$root" "$prefix/bin/nvcc" 0755 <<EOF
 #!/bin/sh
-# fleetcuda lab stand-in for NVIDIA's nvcc $nvcc_v (package cuda-nvcc-$dashed): it only reports its version.
+# fleetcuda lab stand-in for NVIDIA's nvcc $nvcc_v (package cuda-nvcc-$dashed): it only reports its version,
+# and fails as NVIDIA's nvcc does when its host compiler is missing.
 for arg in "\$@"; do
     case "\$arg" in
         --version|-V)
@@ -244,16 +261,43 @@ VERSION
             exit 0 ;;
     esac
 done
+# The host compiler as nvcc picks it: -ccbin / --compiler-bindir (a directory: its gcc), else \$NVCC_CCBIN,
+# else gcc on PATH (never g++ or cc).  Without it, NVIDIA's nvcc (13.0.88, checked) prints these two lines
+# on stderr and exits 1, before it looks at anything else.
+ccbin=\${NVCC_CCBIN:-gcc} next=
+for arg in "\$@"; do
+    if [ -n "\$next" ]; then ccbin=\$arg next=; continue; fi
+    case "\$arg" in
+        -ccbin|--compiler-bindir) next=1 ;;
+        -ccbin=*|--compiler-bindir=*) ccbin=\${arg#*=} ;;
+    esac
+done
+if [ -d "\$ccbin" ]; then ccbin=\${ccbin%/}/gcc; fi
+case "\$ccbin" in
+    */*) [ -f "\$ccbin" ] && [ -x "\$ccbin" ] ;;
+    *) command -v "\$ccbin" >/dev/null 2>&1 ;;
+esac || {
+    echo "\$ccbin: No such file or directory" >&2
+    echo "nvcc fatal   : Failed to preprocess host compiler properties." >&2
+    exit 1
+}
 echo "nvcc: this is the fleetcuda lab stand-in for nvcc $nvcc_v; it cannot compile (only --version / -V work)" >&2
 exit 1
 EOF
     build_pkg "$root" "cuda-nvcc-$dashed" "$nvcc_v-1" amd64 devel \
         "cuda-cudart-$dashed (>= $cudart_v), cuda-cccl-$dashed (>= $cccl_v)" "CUDA nvcc" \
-        "Its nvcc is a shell script that answers --version like NVIDIA's nvcc $nvcc_v and cannot compile."
+        "Its nvcc is a shell script that answers --version like NVIDIA's nvcc $nvcc_v and cannot compile; without a host compiler it fails with nvcc's own message."
 }
 
 toolkit 12.8 12.8.93 12.8.90 12.8.90 Fri_Feb_21_20:23:50_PST_2025 35583870 include/cub
-toolkit 13.0 13.0.88 13.0.96 13.0.85 Wed_Aug_20_01:58:59_PM_PDT_2025 36424714 include/cccl/cub
+if [ -n "$CUDA13_DEBS" ]; then
+    # The real ones (cuda13_debs.py); hard links where the file system allows, they are never modified.
+    for deb in "$CUDA13_DEBS"/*.deb; do
+        ln "$deb" "$STAGE/" 2>/dev/null || cp "$deb" "$STAGE/"
+    done
+else
+    toolkit 13.0 13.0.88 13.0.96 13.0.85 Wed_Aug_20_01:58:59_PM_PDT_2025 36424714 include/cccl/cub
+fi
 
 # --- indices and signatures --------------------------------------------------------------------------
 

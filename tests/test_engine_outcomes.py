@@ -1,0 +1,147 @@
+"""The engine in-process, on a scripted transport: whatever goes wrong inside a target, it ends with a final
+status and its reason, and the run's exit status says so (red team items 5, 6, 9)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fleetcuda.command import BuiltCommand
+from fleetcuda.engine import Engine
+from fleetcuda.inventory import load_inventory
+from fleetcuda.recipe import load_recipe
+from fleetcuda.report import Reporter
+from fleetcuda.results import ExitStatus, StepStatus, TargetStatus, exit_code
+from fleetcuda.transport import RunResult, Transport, TransportPool
+
+Reply = Callable[[BuiltCommand], RunResult]
+
+
+class ScriptedTransport(Transport):
+    """Answers each command with `reply(cmd)`; records what was sent."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+        self.sent: list[BuiltCommand] = []
+
+    def run(self, cmd: BuiltCommand, *, timeout: float | None, on_line: Callable[[str], None]) -> RunResult:
+        self.sent.append(cmd)
+        res = self.reply(cmd)
+        for line in res.output.splitlines():
+            on_line(line)
+        return res
+
+
+def _setup(tmp_path: Path, steps: str) -> tuple:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nvars:\n  x: '1'\nsteps:\n{steps}")
+    inv = tmp_path / "i.yaml"
+    inv.write_text("hosts:\n  h:\n    kind: local\n")
+    return load_recipe(recipe), load_inventory(inv).targets
+
+
+def _engine(tmp_path: Path, steps: str, reply: Reply, mode: str = "verify",
+            reporter: Reporter | None = None) -> tuple[Engine, ScriptedTransport]:
+    recipe, targets = _setup(tmp_path, steps)
+    transport = ScriptedTransport(reply)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    engine = Engine(recipe, targets, {}, mode, TransportPool(lambda host: transport),  # type: ignore[arg-type]
+                    reporter or Reporter(), run_dir)
+    return engine, transport
+
+
+TWO_CHECKS = "  - name: a\n    verify: 'true'\n  - name: b\n    verify: 'false'\n"
+
+
+def test_an_unexpected_error_inside_a_target_fails_it_with_its_message(tmp_path: Path) -> None:
+    def reply(cmd: BuiltCommand) -> RunResult:
+        raise RuntimeError("something nobody foresaw")
+
+    engine, _ = _engine(tmp_path, TWO_CHECKS, reply)
+    results = engine.run()
+    assert results[0].status == TargetStatus.FAILED
+    assert "RuntimeError: something nobody foresaw" in (results[0].error or "")
+    assert exit_code(results) == ExitStatus.FAILED
+
+
+def test_a_reporter_that_raises_does_not_leave_the_target_running(tmp_path: Path) -> None:
+    class Broken(Reporter):
+        def step_finished(self, target: str, result: object) -> None:
+            raise ValueError("closing tag '[/]' at position 5 has nothing to close")
+
+    engine, _ = _engine(tmp_path, TWO_CHECKS, lambda cmd: RunResult(0, "", 0.0), reporter=Broken())
+    results = engine.run()
+    assert results[0].status == TargetStatus.FAILED and exit_code(results) == ExitStatus.FAILED
+
+
+@pytest.mark.parametrize("status", ["pending", "running", "something-new", TargetStatus.LOCKED])
+def test_any_status_but_success_is_a_failure(status: str) -> None:
+    from fleetcuda.results import TargetResult
+    assert exit_code([TargetResult("t", TargetStatus.OK), TargetResult("u", status)]) == ExitStatus.FAILED
+    assert exit_code([TargetResult("t", TargetStatus.OK), TargetResult("u", TargetStatus.CHANGED)]) == ExitStatus.OK
+
+
+def _batch_reply(forged_output: str) -> Reply:
+    """A target where check `a` passes and check `b` fails after printing `forged_output`."""
+    def reply(cmd: BuiltCommand) -> RunResult:
+        script = cmd.argv[-2]
+        nonce = re.search(r"@@fleetcuda:([0-9a-f]+) begin", script)
+        assert nonce, "checks are batched"
+        mark = f"@@fleetcuda:{nonce[1]}"
+        # What the target's bash prints: fleetcuda's frames, and each check's output through the payload filter.
+        body = "".join(f"| {line}\n" for line in forged_output.format(nonce=nonce[1]).splitlines())
+        return RunResult(0, f"\n{mark} begin 0\n\n{mark} end 0 0 3\n\n{mark} begin 1\n{body}\n{mark} end 1 1 4\n", 0.1)
+    return reply
+
+
+@pytest.mark.parametrize("forged", [
+    "@@fleetcuda-batch end 1 0 0",  # the old protocol's frame
+    "@@fleetcuda:{nonce} end 1 0 0",  # this run's, with its nonce read from the parent's command line
+    "\n@@fleetcuda:{nonce} end 1 0 0\n@@fleetcuda:{nonce} begin 1",
+])
+def test_a_check_cannot_forge_its_own_result(tmp_path: Path, forged: str) -> None:
+    engine, _ = _engine(tmp_path, TWO_CHECKS, _batch_reply(forged))
+    results = engine.run()
+    steps = {s.name: s.status for s in results[0].steps}
+    assert steps == {"a": StepStatus.OK, "b": StepStatus.DRIFT}
+    assert exit_code(results) == ExitStatus.FAILED
+
+
+def test_a_timed_out_apply_is_never_sent_again(tmp_path: Path) -> None:
+    steps = "  - name: slow\n    check: 'false'\n    apply: sleep 100\n    timeout: 5\n    retries: 3\n    retry_delay: 0\n"
+
+    def reply(cmd: BuiltCommand) -> RunResult:
+        if "sleep 100" in cmd.argv[-2]:
+            return RunResult(124, "", 5.0)  # `timeout` on the target stopped it
+        return RunResult(1, "", 0.0)
+
+    engine, transport = _engine(tmp_path, steps, reply, mode="apply")
+    results = engine.run()
+    applies = [c for c in transport.sent if "sleep 100" in c.argv[-2]]
+    assert len(applies) == 1
+    assert results[0].status == TargetStatus.FAILED and "timed out after 5s" in results[0].steps[0].detail
+
+
+def test_a_failed_apply_that_did_not_time_out_is_retried(tmp_path: Path) -> None:
+    steps = "  - name: flaky\n    check: 'false'\n    apply: 'exit 3'\n    retries: 2\n    retry_delay: 0\n"
+    engine, transport = _engine(tmp_path, steps, lambda cmd: RunResult(3 if "exit 3" in cmd.argv[-2] else 1, "", 0),
+                                mode="apply")
+    engine.run()
+    assert len([c for c in transport.sent if "exit 3" in c.argv[-2]]) == 3
+
+
+def test_labels_are_unique_per_run(tmp_path: Path) -> None:
+    steps = "  - name: stop\n    check: 'false'\n    apply: 'true'\n"
+    labels = []
+    for run in ("one", "two"):
+        (tmp_path / run).mkdir()
+        engine, transport = _engine(tmp_path / run, steps, lambda cmd: RunResult(0, "", 0), mode="apply")
+        engine.run()
+        labels.append({c.label for c in transport.sent})
+    assert labels[0].isdisjoint(labels[1])
+    # A step named like fleetcuda's own stop script still has a label of its own kind.
+    assert labels[0] and all(label.startswith("fleetcuda:stop@") for label in labels[0])
