@@ -34,6 +34,7 @@ from fleetcuda.planner import (
     SYSTEM_PATH,
     Plan,
     PlannedStep,
+    Secrets,
     base_values,
     batch_command,
     facts_command,
@@ -299,7 +300,7 @@ class Engine:
     def _plan(self, target: Target, log: IO[str]) -> Plan:
         values = base_values(self.recipe, target, self.overrides)
         # Secrets known before facts are read; the plan's own list (facts included) replaces it.
-        self._redactors[target.id] = Redactor(make_plan(self.recipe, target, values, self.home(target)).secrets)
+        self._redactors[target.id] = Redactor(Secrets(self.recipe, values).values)
         names = pending_facts(self.recipe, values)
         if names:
             cmd = facts_command(self.recipe, target, values, names, self.home(target), nonce=self.nonce,

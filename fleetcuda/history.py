@@ -79,6 +79,7 @@ class HistoryError(FleetcudaError):
     """The history database cannot be used: damaged, unreadable, or from a newer fleetcuda."""
 
 
+_SQLITE_MAX_INT = 2**63 - 1  # `--runs 99999999999999999999` means "all", not an OverflowError
 # SQLite's primary result codes for "this is not (or no longer) a database".
 _SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
 
@@ -401,7 +402,8 @@ def recent_runs(path: str | os.PathLike[str], limit: int = 20, target_pattern: s
             "r.exit_code, r.run_dir, r.version FROM runs r "
             "WHERE (?1 IS NULL OR r.recipe_name = ?1) AND EXISTS "
             "(SELECT 1 FROM target_results t WHERE t.run_id = r.id AND fc_match(t.target)) "
-            "ORDER BY r.finished_at DESC, r.id DESC LIMIT ?2", (recipe, max(0, limit))).fetchall()
+            "ORDER BY r.finished_at DESC, r.id DESC LIMIT ?2",
+            (recipe, min(max(0, limit), _SQLITE_MAX_INT))).fetchall()
         runs = [RunSummary(id=row[0], started_at=_dt(row[1]), finished_at=_dt(row[2]), mode=row[3],
                            recipe_name=row[4], recipe_path=row[5], inventory_path=row[6], exit_code=row[7],
                            run_dir=row[8], version=row[9]) for row in rows]

@@ -49,7 +49,7 @@ def run_owner(pid: int | None = None) -> str:
             f"machine {machine} boot {boot} start {_start_ticks(pid) or '?'}")
 
 
-_OWNER = re.compile(r"\S+@\S+ pid (\d+) since \S+ machine (\S+) boot (\S+) start (\S+)\Z")
+_OWNER = re.compile(r"\S+@\S+ pid (\d+) since \S+ machine (\S+) boot (\S+) start (\d+)\Z")
 
 
 def owner_is_dead(owner: str) -> bool:
@@ -90,7 +90,8 @@ class TargetLock:
             f"deadline=$(( $(date +%s) + {int(self.wait_s)} ))",
             'while ! mkdir "$lockdir" 2>/dev/null; do',
             # Printed in a frame: one line of plain characters, whatever the file holds.
-            '  holder=$(head -c 300 "$lockdir/owner" 2>/dev/null | tr -c "[:alnum:]@:._ -" "?")',
+            '  holder=$(head -n 1 "$lockdir/owner" 2>/dev/null | head -c 300 | tr -d "\\n" |'
+            ' tr -c "[:alnum:]@:._ -" "?")',
             # Ours already (a reply lost with a dropped connection, then the command sent again).
             f'  [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ] && break',
             '  age=$(( $(date +%s) - $(stat -c %Y "$lockdir" 2>/dev/null || date +%s) ))',

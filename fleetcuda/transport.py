@@ -323,7 +323,7 @@ def _client(hop: SshHop, sock: paramiko.Channel | None) -> paramiko.SSHClient:
                            f"unseen; record {hop.address}'s key there first (fleetcuda trust)")
     keys = host_keys(path, known_hosts_name(hop.address, hop.port))
     candidates = list(keys.trusted)
-    while True:
+    for tries_left in range(len(candidates), -1, -1):
         client = paramiko.SSHClient()  # reads no known_hosts file of its own: only what we add
         by_type: dict[str, paramiko.PKey] = {}
         for key in candidates:
@@ -340,7 +340,7 @@ def _client(hop: SshHop, sock: paramiko.Channel | None) -> paramiko.SSHClient:
             client.close()
             if keys.is_revoked(exc.key):
                 raise keys.revoked_error(exc.key) from None
-            if keys.is_trusted(exc.key) and sock is None:
+            if keys.is_trusted(exc.key) and sock is None and tries_left:
                 # Another line of the file holds this very key (several keys of one type): accept it.
                 candidates = [exc.key] + [k for k in candidates if k.asbytes() != exc.key.asbytes()]
                 continue
@@ -351,6 +351,7 @@ def _client(hop: SshHop, sock: paramiko.Channel | None) -> paramiko.SSHClient:
         except BaseException:
             client.close()
             raise
+    raise AssertionError("unreachable")
 
 
 def _open_chain(hop: SshHop) -> list[paramiko.SSHClient]:
@@ -383,6 +384,19 @@ def _tunnel(via: paramiko.SSHClient, to: SshHop) -> paramiko.Channel:
     return transport.open_channel("direct-tcpip", (to.address, to.port), ("", 0), timeout=to.connect_timeout)
 
 
+def explain(exc: Exception, hop: SshHop, final: SshHop | None = None) -> Exception:
+    """A connection failure as the error the user sees, naming the hop that failed (a jump host's own
+    failures name it, and the host it was a jump host for)."""
+    if isinstance(exc, FleetcudaError):
+        return exc
+    final = final or hop
+    failed = getattr(exc, "fleetcuda_hop", None) or hop
+    where = _where(failed) + ("" if failed is final else f" (jump host for {_where(final)})")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return UnreachableError(f"{where}: authentication failed ({exc})")
+    return UnreachableError(f"{where}: cannot connect: {exc or type(exc).__name__}")
+
+
 class _Keepalive(threading.Thread):
     """OpenSSH's ServerAliveInterval/ServerAliveCountMax: every `interval` s a keepalive request that
     must be answered; after `count_max` unanswered ones the connection is closed, which ends every
@@ -394,12 +408,12 @@ class _Keepalive(threading.Thread):
         self.interval = interval
         self.count_max = count_max
         self.dead = False
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         pending: threading.Thread | None = None
         missed = 0
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             if not self.transport.is_active():
                 return
             if pending is not None and pending.is_alive():
@@ -420,7 +434,7 @@ class _Keepalive(threading.Thread):
             pass
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 _TRANSIENT = (socket.timeout, ConnectionError, EOFError, paramiko.ssh_exception.NoValidConnectionsError)
@@ -491,13 +505,7 @@ class SshTransport(Transport):
         return attempt()
 
     def _explain(self, exc: Exception) -> Exception:
-        if isinstance(exc, FleetcudaError):
-            return exc
-        hop = getattr(exc, "fleetcuda_hop", None) or self.hop
-        where = _where(hop) + ("" if hop is self.hop else f" (jump host for {_where(self.hop)})")
-        if isinstance(exc, paramiko.AuthenticationException):
-            return UnreachableError(f"{where}: authentication failed ({exc})")
-        return UnreachableError(f"{where}: cannot connect: {exc or type(exc).__name__}")
+        return explain(exc, self.hop)
 
     def _no_reply(self, conn: _Connection, what: str) -> NoReplyError | None:
         if conn.keepalive.dead:
@@ -574,7 +582,7 @@ class SshTransport(Transport):
         conn = self._open()
         where = _where(self.hop)
         with self._slots:
-            sftp = None
+            sftp = chan = None
             try:
                 chan = conn.transport.open_session(timeout=self.hop.connect_timeout)
                 chan.settimeout(self.sftp_timeout)
@@ -591,6 +599,8 @@ class SshTransport(Transport):
             finally:
                 if sftp is not None:
                     sftp.close()
+                elif chan is not None:
+                    chan.close()
 
     def put(self, local: Path, remote: str) -> None:
         """Copy a file to the host, created 0600."""
@@ -645,7 +655,11 @@ def fetch_host_key(hop: SshHop) -> paramiko.PKey:
     Reached the way the transport reaches it: through its jump hosts, each of them authenticated and
     verified against its own known_hosts (never auto-accepted), then a direct-tcpip channel to the host.
     """
-    gateways = _open_chain(hop.jump) if hop.jump else []
+    try:
+        gateways = _open_chain(hop.jump) if hop.jump else []
+    except Exception as exc:
+        assert hop.jump is not None
+        raise explain(exc, hop.jump, hop) from None
     transport = None
     try:
         if gateways:

@@ -160,9 +160,28 @@ def load_yaml(path: str | Path) -> SourceDoc:
     return parse_yaml(text, shown)
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose composer stops at MAX_DEPTH levels of nesting: `[[[[...` ten thousand deep is refused
+    after reading 64 levels of it, not after PyYAML's scanner has spent seconds on all of it (or recursed out)."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH + 1:
+                raise yaml.MarkedYAMLError(problem=f"nested more than {MAX_DEPTH} levels deep",
+                                           problem_mark=self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def parse_yaml(text: str, shown: str) -> SourceDoc:
     try:
-        loader = yaml.SafeLoader(text)  # refuses control characters at once
+        loader = _Loader(text)  # refuses control characters at once
     except yaml.reader.ReaderError as exc:
         line = len(LINE_BREAK.findall(text, 0, exc.position)) + 1
         raise InputError(shown, line, "", f"invalid YAML: unacceptable character #x{exc.character:04x}") from None

@@ -3,8 +3,8 @@ shells bash (root), zsh and dash (non-root users reaching pct through `sudo -n`)
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 from pathlib import Path
 

@@ -112,7 +112,8 @@ def test_a_check_cannot_forge_its_own_result(tmp_path: Path, forged: str) -> Non
 
 
 def test_a_timed_out_apply_is_never_sent_again(tmp_path: Path) -> None:
-    steps = "  - name: slow\n    check: 'false'\n    apply: sleep 100\n    timeout: 5\n    retries: 3\n    retry_delay: 0\n"
+    steps = ("  - name: slow\n    check: 'false'\n    apply: sleep 100\n    timeout: 5\n    retries: 3\n"
+             "    retry_delay: 0\n")
 
     def reply(cmd: BuiltCommand) -> RunResult:
         if "sleep 100" in cmd.argv[-2]:

@@ -45,9 +45,16 @@ WHOLE_FILE = ("file not found", "cannot read", "file is larger", "not UTF-8",
 # `hosts.a.containers.200.name`, `steps[3].check`: segments without `.[]`, or [index].
 STRICT_FIELD = re.compile(r"[^.\[\]]+(?:\.[^.\[\]]+|\[\d+\])*")
 
-FUZZ = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow,
-                                                                        HealthCheck.data_too_large,
-                                                                        HealthCheck.filter_too_much])
+
+
+def examples(ci: int) -> int:
+    """`ci` examples in CI; FLEETCUDA_FUZZ_EXAMPLES=N runs N per strategy instead (a long one-off run)."""
+    return int(os.environ.get("FLEETCUDA_FUZZ_EXAMPLES") or ci)
+
+
+# derandomize: CI runs the same examples every time (and a failure found there reproduces locally).
+FUZZ = settings(deadline=None, max_examples=examples(120), derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
 # ---------------------------------------------------------------------------------------------- the oracle
@@ -104,7 +111,8 @@ FRAGMENTS = ["hosts:", "vars:", "groups:", "steps:", "name: r", "- name: s", "  
              "...", "#", "|", ">-", "'", '"', "\\", "\\x01", "~", "null", "0x", "0o7", "1:2:3", ".nan", "-.inf",
              "200", "kind: local", "address: h", "containers:", "children: [", "members: [", "check: 'true'",
              "kind: [a]", "jump: ", "{{ x }}", "\x00", "\x1b[2J", "\ufeff", "\u2028", "\x85", "\r", "\r\n", "é",
-             "𝔘", "9" * 1200]
+             "𝔘", "9" * 1200, '"\\0"', '"a\\x00b"', '"\\ud800"', '"\\udcff x"', "'\\0'", "port: true",
+             "timeout: true", "retries: yes"]
 YAMLISH = st.lists(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=6), max_size=8).map("".join),
                    max_size=30).map("\n".join)
 SPECIAL_INTS = [-1, 0, 99, 100, 200, 999_999_999, 1_000_000_000, 2**31, 2**63, -(2**63), 10**40, 10**999]
@@ -424,7 +432,7 @@ def test_alias_bombs_are_refused_quickly(tmp_path: Path, kind: str, bomb: str) -
         assert err is not None
 
 
-@settings(deadline=None, max_examples=30)
+@settings(deadline=None, derandomize=True, database=None, max_examples=15)
 @given(width=st.integers(2, 40), depth=st.integers(2, 12), kind=KINDS)
 def test_any_alias_bomb_is_bounded(width: int, depth: int, kind: str) -> None:
     lines = ["a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
@@ -480,7 +488,8 @@ def _refused(kind: str) -> Callable[[str], bool]:
     return lambda text: fuzz_file(kind, text) is not None
 
 
-@settings(deadline=None, max_examples=3, suppress_health_check=list(HealthCheck))
+@settings(deadline=None, derandomize=True, database=None, max_examples=3,
+          suppress_health_check=list(HealthCheck))
 @given(kind=KINDS, data=st.data())
 def test_cli_refuses_generated_bad_files(kind: str, data: st.DataObject) -> None:
     bases = INVENTORY_BASES if kind == "inventory" else RECIPE_BASES
@@ -489,7 +498,8 @@ def test_cli_refuses_generated_bad_files(kind: str, data: st.DataObject) -> None
         assert_cli_refuses(Path(tmp), kind, text.encode())
 
 
-@settings(deadline=None, max_examples=2, suppress_health_check=list(HealthCheck))
+@settings(deadline=None, derandomize=True, database=None, max_examples=2,
+          suppress_health_check=list(HealthCheck))
 @given(raw=st.binary(min_size=1, max_size=50).map(lambda b: b"hosts:\n  \xff" + b))
 def test_cli_refuses_a_file_that_is_not_utf8(raw: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -531,7 +541,7 @@ def _inventory_with(where: str, name: str) -> tuple[dict[str, Any], str]:
     return doc, f"hosts.h.containers.200.vars.{shown}"
 
 
-@settings(deadline=None, max_examples=120)
+@settings(deadline=None, derandomize=True, database=None, max_examples=examples(120))
 @given(where=st.sampled_from(["host", "container", "group", "child", "jump", "inventory-var", "group-var",
                               "host-var", "container-var"]), name=BAD_NAME)
 @example(where="host", name="a;rm -rf /")
@@ -550,7 +560,7 @@ PAYLOADS = ["$(touch {p})", "`touch {p}`", "; touch {p}", "| touch {p}", "& touc
             "\\'; touch {p} #", "${{IFS}}; touch {p}", "$'\\x3b' touch {p}", "*; touch {p}", "{p}\r\ntouch {p}"]
 
 
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, derandomize=True, database=None, max_examples=40)
 @given(payload=st.sampled_from(PAYLOADS), before=st.text("a $`';|&\"\\\n!*", max_size=4),
        after=st.text("z $`';|&\"\\\n!*", max_size=4))
 @example(payload="$(touch {p})", before="", after="")
@@ -582,3 +592,368 @@ def test_values_with_shell_metacharacters_are_only_ever_quoted(payload: str, bef
         assert written == greeting.encode()
         assert not pwned.exists() and not (root / "ct").joinpath("PWNED").exists()
         assert not list(root.rglob("PWNED"))
+
+
+# ---------------------------------------------------------------------------------------------- 5. at scale
+#
+# Many small inputs, cheaply: each generated document goes through both loaders, and each generated argv
+# through fleetcuda.cli.main in-process. In CI: 550 hypothesis examples plus 440 batches of 20 (8,800 inputs)
+# plus the ~1,080 above: about 10,400 generated inputs. A long local run, N examples per strategy:
+#   FLEETCUDA_FUZZ_EXAMPLES=10000 FLEETCUDA_FUZZ_BATCHES=1000 pytest tests/test_fuzz_inputs.py -k scale
+
+# Hypothesis-native strategies (shrinkable) for part of it; for volume, examples that each draw a seed and
+# generate a batch of BATCH inputs from the same pieces with that seeded Random (derandomized like the rest).
+LOADER_EXAMPLES = examples(300)
+ARGV_EXAMPLES = examples(250)
+BATCH = 20
+LOADER_BATCHES = int(os.environ.get("FLEETCUDA_FUZZ_BATCHES") or 280)
+ARGV_BATCHES = int(os.environ.get("FLEETCUDA_FUZZ_BATCHES") or 160)
+SCALE = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+COUNTS: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def loader_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
+
+
+SMALL_DOCS = st.one_of(
+    YAMLISH, dumped(VALUES), dumped(mutated(INVENTORY_BASES)), dumped(mutated(RECIPE_BASES)),
+    st.builds(lambda a, b: a + b, st.sampled_from(["hosts:\n  a:\n    kind: local\n",
+                                                   "name: r\nsteps:\n  - name: s\n    check: 'true'\n"]),
+              st.lists(st.sampled_from(FRAGMENTS), max_size=6).map("\n".join)),
+)
+
+
+@settings(SCALE, max_examples=LOADER_EXAMPLES)
+@given(doc=SMALL_DOCS | SMALL_DOCS.map(lambda t: t.encode("utf-8") + b"\xff"))
+@example(doc='hosts:\n  a:\n    kind: local\n    vars:\n      x: "\\ud800"\n')
+@example(doc='name: r\nsteps:\n  - name: s\n    check: "true\\0"\n')
+@example(doc='["\\0"]\n')
+def test_scale_both_loaders_load_or_raise_input_error(loader_dir: Path, doc: str | bytes) -> None:
+    raw = doc.encode("utf-8") if isinstance(doc, str) else doc
+    for kind in ("inventory", "recipe"):
+        load_or_input_error(kind, loader_dir / f"{kind}.yaml", raw)
+    COUNTS["loaders"] = COUNTS.get("loaders", 0) + 1
+
+
+# -- argv -----------------------------------------------------------------------------------------
+
+SAFE_RECIPE = "name: r\nvars:\n  cuda_version: '12.8'\nsteps:\n  - name: s\n    check: 'true'\n    timeout: 30\n"
+# What `fleetcuda.cli.main` may end in: the documented exit codes (README: 0, 1, 2, 3; 130 needs a signal).
+EXIT_CODES = {0, 1, 2, 3}
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[dict[str, str]]:
+    """Files the argv fuzz names: good and bad inputs, special files, and places to write. Every host in an
+    inventory here is `kind: local` without containers, so that nothing can reach the network."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        files = {
+            "inv": "hosts:\n  here:\n    kind: local\n",
+            "inv2": "hosts:\n  here:\n    kind: local\n  there:\n    kind: local\ngroups:\n  g:\n    members: [here]\n",
+            "badinv": "hosts:\n  a:\n    port: true\n",
+            "recipe": SAFE_RECIPE,
+            "recipe2": SAFE_RECIPE + "  - name: t\n    check: 'true'\n    when: cuda_version == 12.8\n",
+            "badrecipe": "name: r\nsteps:\n  - name: s\n    check: \"x\\0\"\n",
+            "surrogate": "name: r\ndescription: \"\\udcff\"\nsteps:\n  - name: s\n    check: 'true'\n",
+            "plain.txt": "just text\n",
+        }
+        paths = {}
+        for name, text in files.items():
+            (root / name).write_text(text, encoding="utf-8")
+            paths[name] = str(root / name)
+        (root / "latin1.yaml").write_bytes(b"hosts:\n  \xe9: 1\n")
+        os.mkfifo(root / "fifo")
+        (root / "dir").mkdir()
+        (root / "wheels").mkdir()
+        (root / "wheels" / "x-1.0-py3-none-any.whl").write_bytes(b"PK")
+        (root / "units").mkdir()
+        (root / "loop").symlink_to(root / "loop")
+        bindir = root / "bin"
+        bindir.mkdir()
+        store = root / "crontab.txt"
+        (bindir / "crontab").write_text(f"#!/bin/sh\ncase \"$1\" in\n  -l) cat {store} 2>/dev/null || "
+                                        "{ echo 'no crontab for x' >&2; exit 1; } ;;\n"
+                                        f"  -) cat > {store} ;;\nesac\n")
+        (bindir / "crontab").chmod(0o755)
+        paths.update({n: str(root / n) for n in ("latin1.yaml", "fifo", "dir", "wheels", "units", "loop")})
+        # State directories: one with a recorded run (so `history` queries it), one whose history is random
+        # bytes, and a file where a directory belongs.
+        from datetime import UTC, datetime
+
+        from fleetcuda.history import record
+        from fleetcuda.reports import RunInfo
+
+        now = datetime.now(UTC)
+        record(root / "state" / "history.sqlite",
+               RunInfo(mode="verify", recipe_path="r.yaml", recipe_name="r", inventory_path="inv", started_at=now,
+                       finished_at=now, exit_code=0, run_dir=None), [])
+        (root / "damaged").mkdir()
+        (root / "damaged" / "history.sqlite").write_bytes(b"\x00garbage" * 300)
+        paths.update(root=str(root), bin=str(bindir), state=str(root / "state"), damaged=str(root / "damaged"),
+                     statefile=paths["plain.txt"])
+        yield paths
+
+
+SUBCOMMANDS = [["apply"], ["verify"], ["history"], ["schedule", "install"], ["schedule", "show"],
+               ["schedule", "remove"], ["schedule"], ["wheelhouse", "build"], ["wheelhouse", "push"], ["wheelhouse"],
+               ["cache", "list"], ["cache", "prune"], ["cache"], ["doctor"], ["trust"], ["bogus"], [],
+               ["--version"], ["-h"]]
+FLAGS = ["-i", "--inventory", "--inv", "--limit", "--var", "--forks", "--plain", "--show-output", "--dry-run",
+         "--check", "--lock-wait", "--format", "--output", "--report", "--no-history", "--runs", "--name", "--at",
+         "--on-calendar", "--systemd", "--unit-dir", "--reports-dir", "--python-version", "--platform",
+         "--pip-arg", "--dest", "--package", "--older-than", "--all", "--fingerprint", "--yes", "--help", "--",
+         "-", "--var=x=1", "--forks=0", "--runs=-1", "--format=json", "--format=xml", "-ix"]
+HOSTILE = ["", " ", "-1", "0", "1", "2", "8", "99999999999999999999", "1e308", "nan", "inf", "-inf", "0x10",
+           "x=1", "x\n=1", "x=1\n", "=", "==", "=1", "cuda_version=12.8", "cuda_version=", "target=x", "1x=2",
+           "\n", "\r", "\x1b[31m", "\t", "a" * 300, "é", "𝔘", "{{ x }}", "{{ python }}", "$(id)", "; true",
+           "*", "!*", "here", "!here", "here,there", "g", "nope", "a,,b", "here/200", "json", "junit", "prometheus",
+           "table", "xml", "json=out.json", "junit=out.xml", "prometheus=out.prom", "json=", "=out.json",
+           "json=dir", "json=/proc/fleetcuda.json", "json=/dev/null", "json=nope/x.json", "json=plain.txt/x",
+           "json=fifo", "0 3 * * *", "* * * * * *", "61 3 * * *", "%", "\\%", "*-*-* 03:00:00", "Mon..Fri 02:30",
+           "nightly", "a.b_c-d", "a b", "../x", "/", ".", "..", "~", "SHA256:x", "3.12", "manylinux_2_28_x86_64",
+           "causal-conv1d", "out.json", "dir", "nope/out.json", "units", "plain.txt", "/proc/x", "/dev/null"]
+# Bytes that are not UTF-8 reach sys.argv as lone surrogates (surrogateescape).
+NOT_UTF8 = [os.fsdecode(b) for b in (b"\xff", b"x=\xff", b"cuda_version=\xc3", b"\xed\xa0\x80", b"json=\xfe.json",
+                                     b"here\x80", b"\xe9t\xe9")]
+SPECIAL = ["/dev/zero", "/dev/null", "/dev/stdin", "/proc/self/status", "/proc", "/nonexistent/x.yaml",
+           "/etc/passwd"]
+SANDBOX_NAMES = ["inv", "inv2", "badinv", "recipe", "recipe2", "badrecipe", "surrogate", "plain.txt", "latin1.yaml",
+                 "fifo", "dir", "wheels", "units", "loop"]
+SAFE_INVENTORIES = ["inv", "inv2", "badinv", "latin1.yaml", "fifo", "dir", "plain.txt", "loop", "recipe"]
+
+
+@st.composite
+def argvs(draw: st.DrawFn) -> list[str]:
+    """An argv; `@name` words stand for the sandbox's files, replaced by their paths when the test runs."""
+    words = list(draw(st.sampled_from(SUBCOMMANDS)))
+    piece = st.one_of(st.sampled_from(FLAGS), st.sampled_from(HOSTILE), st.sampled_from(NOT_UTF8),
+                      st.sampled_from(SPECIAL), st.sampled_from(SANDBOX_NAMES).map(lambda n: "@" + n),
+                      st.text(max_size=8))
+    # Often a plausible start: the recipe, or the directory, in the first positional place.
+    if words == ["wheelhouse", "build"]:  # its DIR is made: always one in the sandbox
+        words += ["@" + draw(st.sampled_from(["recipe", "badrecipe", "dir", "fifo"])),
+                  "@" + draw(st.sampled_from(["root/built", "plain.txt", "fifo", "dir"]))]
+    elif words[:1] in (["apply"], ["verify"], ["schedule"], ["wheelhouse"]) and draw(st.booleans()):
+        words.append("@" + draw(st.sampled_from(["recipe", "recipe2", "badrecipe", "surrogate", "wheels", "dir"])))
+    words += draw(st.lists(piece, max_size=8))
+    # What keeps every example off the network and out of the system's directories: appended last, so that
+    # argparse lets it win over any earlier value (or, after a `--`, fail as an extra argument).
+    command = tuple(words[:2])
+    guard: list[str] = []
+    if command[:1] in (("apply",), ("verify",), ("doctor",), ("trust",)) or command == ("wheelhouse", "push"):
+        guard += ["-i", "@" + draw(st.sampled_from(SAFE_INVENTORIES))]
+    if command == ("wheelhouse", "push"):
+        guard += ["--dest", "@root/dest"]
+    if command == ("wheelhouse", "build"):
+        guard += ["--python", "/bin/false"]
+    if command[:1] == ("schedule",):
+        guard += ["--unit-dir", "@" + draw(st.sampled_from(["units", "plain.txt", "dir", "fifo"])),
+                  "--reports-dir", "@" + draw(st.sampled_from(["root/reports", "plain.txt", "dir", "fifo"]))]
+    if command[:1] == ("doctor",):
+        guard[1] = "@" + draw(st.sampled_from(["badinv", "latin1.yaml", "fifo", "dir", "plain.txt"]))
+    return [*words, *guard, draw(st.sampled_from(STATES))]  # the last word: which state directory
+
+
+def _resolve(word: str, paths: dict[str, str]) -> str:
+    if word.startswith("@root/"):
+        return os.path.join(paths["root"], word[len("@root/"):])
+    return paths.get(word[1:], word) if word.startswith("@") else word
+
+
+class _NoNetwork(Exception):
+    pass
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[str, str]:
+    """No host can be reached: SSH transports refuse to be made, and so does any socket connection."""
+    import socket
+
+    from fleetcuda import cli
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise _NoNetwork(f"the argv fuzz tried to connect: {args!r}")
+
+    monkeypatch.setattr(cli, "SshTransport", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    # Speed only: argparse looks for translation catalogs on disk each time main() builds its parser (~40% of a
+    # call); this session's messages are untranslated English either way.
+    import argparse
+
+    monkeypatch.setattr(argparse, "_", lambda text: text)
+    monkeypatch.setattr(argparse, "ngettext", lambda one, many, n: one if n == 1 else many)
+    state = Path(sandbox["root"]) / "state"
+    monkeypatch.setenv("FLEETCUDA_STATE_DIR", str(state))
+    monkeypatch.setenv("FLEETCUDA_CACHE_DIR", str(Path(sandbox["root"]) / "cache"))
+    monkeypatch.setenv("PATH", f"{sandbox['bin']}:/usr/bin:/bin")
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.delenv("FLEETCUDA_INVENTORY", raising=False)
+    monkeypatch.chdir(sandbox["root"])  # relative paths in argv land in the sandbox
+    return sandbox
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """fleetcuda.cli.main(argv) as a terminal would see it: stdout strict UTF-8 (as under a UTF-8 locale),
+    stderr with backslashreplace (as Python sets it up); any exception other than argparse's exit fails."""
+    import io
+    import sys as _sys
+
+    from fleetcuda.cli import main
+
+    out_buf, err_buf = io.BytesIO(), io.BytesIO()
+    out = io.TextIOWrapper(out_buf, encoding="utf-8", errors="strict", write_through=True)
+    err = io.TextIOWrapper(err_buf, encoding="utf-8", errors="backslashreplace", write_through=True)
+    saved = _sys.stdout, _sys.stderr
+    _sys.stdout, _sys.stderr = out, err
+    try:
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse: --help, --version, or a usage error
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    finally:
+        _sys.stdout, _sys.stderr = saved
+        out.flush()
+        err.flush()
+    return int(code), out_buf.getvalue().decode("utf-8"), err_buf.getvalue().decode("utf-8", "replace")
+
+
+STATES = ["state", "state", "state", "damaged", "statefile"]
+
+
+def check_argv(argv: list[str], state: str) -> None:
+    """main(argv) with FLEETCUDA_STATE_DIR=state ends in a documented exit code, with no traceback."""
+    saved = os.environ["FLEETCUDA_STATE_DIR"]
+    os.environ["FLEETCUDA_STATE_DIR"] = state
+    try:
+        code, out, err = run_main(argv)
+    finally:
+        os.environ["FLEETCUDA_STATE_DIR"] = saved
+    shown = f"argv={argv!r} state={state}\nexit {code}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}"
+    assert code in EXIT_CODES, shown
+    assert "Traceback" not in err and "internal error" not in err, shown
+    if code == 2:
+        assert err.strip(), shown  # bad input always says what was wrong
+
+
+@settings(SCALE, max_examples=ARGV_EXAMPLES)
+@given(argv=argvs())
+@example(argv=["apply", "@recipe", "-i", "@inv", "--var", os.fsdecode(b"x=\xff"), "--dry-run", "state"])
+@example(argv=["apply", "@recipe", "-i", "@inv", "--var", "x\n=1", "--dry-run", "state"])
+@example(argv=["verify", "@recipe", "-i", "@fifo", "state"])
+@example(argv=["verify", "@recipe", "-i", "/dev/zero", "state"])
+@example(argv=["verify", "@recipe", "--report", "json=/proc/x.json", "-i", "@inv", "state"])
+@example(argv=["verify", "@recipe", "--format", "json", "--output", "@dir", "-i", "@inv", "state"])
+@example(argv=["history", "--runs", "99999999999999999999", "state"])
+@example(argv=["wheelhouse", "push", "/nonexistent", "-i", "@inv", "--dest", "@root/dest", "state"])
+@example(argv=["schedule", "remove", "--systemd", "--unit-dir", "@plain.txt", "state"])
+@example(argv=["cache", "prune", "--older-than", "nan", "state"])
+@example(argv=["cache", "prune", "--older-than", "1e308", "state"])
+@example(argv=["history", "damaged"])
+@example(argv=["verify", "@recipe", "-i", "@inv", "--plain", "damaged"])
+@example(argv=["verify", "@recipe", "-i", "@inv", "statefile"])
+@example(argv=["schedule", "install", "@recipe", "-i", "@inv", "--name", "n", "statefile"])
+def test_scale_cli_argv_never_a_traceback(offline: dict[str, str], argv: list[str]) -> None:
+    *words, state = argv
+    check_argv([_resolve(w, offline) for w in words], offline[state])
+    COUNTS["argv"] = COUNTS.get("argv", 0) + 1
+
+
+# -- volume: seeded batches -------------------------------------------------------------------------
+
+BASE_TEXTS = [dump(b) for b in INVENTORY_BASES + RECIPE_BASES] + [
+    "hosts:\n  here:\n    kind: local\n", SAFE_RECIPE]
+HOSTILE_SCALARS = ['"\\0"', '"\\ud800"', '"x\\udcff"', "true", "false", "yes", "~", "''", "[]", "{}", "-1", "0",
+                   "1.5", "12.10", "1e400", "9" * 1200, "!!int x", "!!binary AAAA", "&a x", "*a", "'$(id)'",
+                   '"a\\nb"', "[1, [2, [3]]]", "{a: {b: c}}", "|\n  block", "2024-01-01", "0x1F", "0o17", ".inf"]
+
+
+def random_doc(rng: Any) -> bytes:
+    """A document: a valid base (or fragment soup) with a few line-level mistakes, sometimes not UTF-8."""
+    if rng.random() < 0.2:
+        lines = ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(0, 8))]
+    else:
+        # The large recipe (gdn-fastpath, ~35 ms for both loaders) is drawn rarely; the small bases often.
+        base = BASE_TEXTS[3] if rng.random() < 0.04 else rng.choice(BASE_TEXTS[:3] + BASE_TEXTS[4:])
+        lines = base.split("\n")
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(lines))
+            op = rng.random()
+            line = lines[i]
+            if op < 0.4 and ":" in line:  # a value replaced
+                head = line.split(":", 1)[0]
+                lines[i] = f"{head}: {rng.choice(HOSTILE_SCALARS)}"
+            elif op < 0.55:
+                lines.insert(i, lines[i])
+            elif op < 0.65:
+                del lines[i]
+                if not lines:
+                    lines = [""]
+            elif op < 0.85:
+                indent = " " * rng.choice([0, 2, 4, 6, 8])
+                lines.insert(i, indent + rng.choice(SCHEMA_KEYS) + ": " + rng.choice(HOSTILE_SCALARS))
+            else:
+                j = rng.randint(0, len(line))
+                lines[i] = line[:j] + rng.choice(FRAGMENTS) + line[j:]
+    raw = "\n".join(lines).encode("utf-8")
+    return raw + b"\xff" if rng.random() < 0.03 else raw
+
+
+def random_argv(rng: Any) -> list[str]:
+    """An argv from the same pieces as argvs(), with the same guard words appended."""
+    words = list(rng.choice(SUBCOMMANDS))
+    if words == ["wheelhouse", "build"]:
+        words += ["@" + rng.choice(["recipe", "badrecipe", "dir", "fifo"]),
+                  "@" + rng.choice(["root/built", "plain.txt", "fifo", "dir"])]
+    elif words[:1] in (["apply"], ["verify"], ["schedule"], ["wheelhouse"]) and rng.random() < 0.6:
+        words.append("@" + rng.choice(["recipe", "recipe2", "badrecipe", "surrogate", "wheels", "dir"]))
+    pools = [FLAGS, FLAGS, HOSTILE, NOT_UTF8, SPECIAL, ["@" + n for n in SANDBOX_NAMES]]
+    words += [rng.choice(rng.choice(pools)) for _ in range(rng.randint(0, 8))]
+    command = tuple(words[:2])
+    if command[:1] in (("apply",), ("verify",), ("trust",)) or command == ("wheelhouse", "push"):
+        words += ["-i", "@" + rng.choice(SAFE_INVENTORIES)]
+    if command[:1] == ("doctor",):
+        words += ["-i", "@" + rng.choice(["badinv", "latin1.yaml", "fifo", "dir", "plain.txt"])]
+    if command == ("wheelhouse", "push"):
+        words += ["--dest", "@root/dest"]
+    if command == ("wheelhouse", "build"):
+        words += ["--python", "/bin/false"]
+    if command[:1] == ("schedule",):
+        words += ["--unit-dir", "@" + rng.choice(["units", "plain.txt", "dir", "fifo"]),
+                  "--reports-dir", "@" + rng.choice(["root/reports", "plain.txt", "dir", "fifo"])]
+    return words
+
+
+@settings(SCALE, max_examples=LOADER_BATCHES)
+@given(rng=st.randoms(use_true_random=True))
+def test_scale_loader_batches(loader_dir: Path, rng: Any) -> None:
+    for _ in range(BATCH):
+        raw = random_doc(rng)
+        for kind in ("inventory", "recipe"):
+            try:
+                load_or_input_error(kind, loader_dir / f"{kind}.yaml", raw)
+            except AssertionError as exc:
+                raise AssertionError(f"{kind} {raw[:3000]!r}: {exc}") from exc
+        COUNTS["loaders"] = COUNTS.get("loaders", 0) + 1
+
+
+@settings(SCALE, max_examples=ARGV_BATCHES)
+@given(rng=st.randoms(use_true_random=True))
+def test_scale_cli_argv_batches(offline: dict[str, str], rng: Any) -> None:
+    for _ in range(BATCH):
+        check_argv([_resolve(w, offline) for w in random_argv(rng)], offline[rng.choice(STATES)])
+        COUNTS["argv"] = COUNTS.get("argv", 0) + 1
+
+
+def test_scale_counts_reach_ten_thousand() -> None:
+    """The at-scale tests above ran (in this session) at least their examples; with the ~1,100 of the
+    property tests before them, over 10,000 inputs went through the loaders and the CLI."""
+    if not COUNTS:
+        pytest.skip("run together with the scale tests")
+    assert COUNTS.get("loaders", 0) >= LOADER_EXAMPLES + LOADER_BATCHES * BATCH, COUNTS
+    assert COUNTS.get("argv", 0) >= ARGV_EXAMPLES + ARGV_BATCHES * BATCH, COUNTS

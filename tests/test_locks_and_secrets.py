@@ -106,7 +106,7 @@ def test_interrupt_stops_the_remote_step_and_the_next_run_resumes(env: dict[str,
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320"]
     run = start("apply", SLOW, *common, "--var", "seconds=120", state=env["state"])
     deadline = time.monotonic() + 20
-    while not labelled_pids("fleetcuda:slow-marker", script_has="sleep 120\n"):  # the apply, not the check
+    while not labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=120\n"):  # the apply, not the check
         assert time.monotonic() < deadline, "the step never started"
         time.sleep(0.2)
     run.send_signal(getattr(signal, signal_name))
@@ -149,7 +149,7 @@ def test_dropped_connection_mid_apply_is_a_clear_error_and_the_next_run_converge
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "dashhost/320,zshhost/310"]
     run = start("apply", SLOW, *common, "--var", "seconds=3", state=env["state"])
     deadline = time.monotonic() + 20
-    while not labelled_pids("fleetcuda:slow-marker", vmid=320, script_has="sleep 3\n"):  # the apply, not the check
+    while not labelled_pids("fleetcuda:slow-marker", vmid=320, script_has="fc_seconds=3\n"):  # the apply, not the check
         assert time.monotonic() < deadline
         time.sleep(0.1)
     _drop_sessions(lab.users["dash"])
@@ -181,7 +181,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "bashhost/301"]
     run = start("apply", SLOW, *common, "--var", "seconds=30", state=env["state"])
     deadline = time.monotonic() + 20
-    while not labelled_pids("fleetcuda:slow-marker", script_has="sleep 30\n"):  # the apply, not the check
+    while not labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=30\n"):  # the apply, not the check
         assert time.monotonic() < deadline
         time.sleep(0.1)
     run.kill()  # SIGKILL: no chance to clean up

@@ -167,3 +167,39 @@ def test_host_patterns() -> None:
     assert host_matches("[10.0.0.?]:2222", "[10.0.0.1]:2222")
     assert not host_matches("[10.0.0.1]:2222", "10.0.0.1")
     assert not host_matches("|1|garbage", "x")
+
+
+@pytest.mark.parametrize("answer", ["y", "n"])
+def test_on_a_terminal_the_key_is_recorded_only_after_yes(sshd_lab: LoopbackSshd, tmp_path: Path, answer: str) -> None:
+    kh = tmp_path / "known_hosts"
+    inv = inventory(sshd_lab, tmp_path / "inv.yaml", kh)
+    master, slave = os.openpty()
+    try:
+        env = {**os.environ, "FLEETCUDA_STATE_DIR": str(tmp_path / "s")}
+        proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "trust", "target", "-i", str(inv)], cwd=REPO,
+                                env=env, stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.write(master, f"{answer}\n".encode())
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert real_fingerprint(sshd_lab) in out and "Record this key" in out
+    if answer == "y":
+        assert proc.returncode == 0, err
+        assert kh.read_text().startswith(f"[127.0.0.1]:{sshd_lab.port} ssh-ed25519 ")
+    else:
+        assert proc.returncode == 1 and "nothing recorded" in out
+        assert not kh.exists()
+
+
+def test_any_of_several_keys_of_one_type_is_accepted_as_openssh_does(sshd_lab: LoopbackSshd, tmp_path: Path) -> None:
+    kind, blob = host_pub(sshd_lab)
+    okind, oblob = other_key(tmp_path)
+    name = f"[127.0.0.1]:{sshd_lab.port}"
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"{name} {okind} {oblob}\n{name} {kind} {blob}\n")  # an old key of the same type first
+    t = SshTransport(hop(sshd_lab, kh), attempts=1)
+    try:
+        assert t.run(echo("ok"), timeout=None, on_line=lambda _: None).output.strip() == "ok"
+    finally:
+        t.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,7 +26,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tests/lab/standins/apt/build_repo.sh"
-MIRROR = os.environ.get("FLEETCUDA_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+# The mirror of this machine's own apt sources (never a host of ours): the same lookup as the lab's.
+sys.path.insert(0, str(ROOT / "tests" / "lab"))
+from labctl import debian_mirror  # noqa: E402
+
+MIRROR = debian_mirror()
 LAB_MOUNT = "/srv/fleetcuda-lab/apt"  # where the lab bind-mounts OUTDIR in its containers
 DEFAULT_URL = f"file://{LAB_MOUNT}"
 SUBDIR = "compute/cuda/repos/debian12/x86_64"

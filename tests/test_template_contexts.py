@@ -107,7 +107,8 @@ def test_filters_get_their_own_variables(tmp_path: Path) -> None:
     assert run_bash(rendered.text, rendered.vars, tmp_path).stdout == b"12.8 12-8 12 "
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(value=st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=40),
        context=st.sampled_from(sorted(EXPANDING)))
 def test_any_value_in_any_expanding_context(value: str, context: str, tmp_path: Path) -> None:
@@ -126,7 +127,8 @@ def test_any_value_in_any_expanding_context(value: str, context: str, tmp_path: 
     assert proc.stdout == expected(value).encode(), (context, value)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(script=st.lists(st.sampled_from([
     "echo ", "'", '"', "$(", ")", "`", "${", "}", "$((", "))", "<<EOF\n", "\nEOF\n", "<<'Q'\n", "\nQ\n", "# ", "\n",
     "[[ ", " ]]", "\\", "{{ x }}", " ", "x", ";", "|", "$'", "((",

@@ -108,7 +108,13 @@ def in_ns(host: LabHost, *argv: str | Path, check: bool = True) -> subprocess.Co
 
 
 def debian_mirror() -> str:
-    for path in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*")]:
+    """The Debian mirror this machine's apt uses (its sources), never one of ours: the lab reaches only what
+    the machine is configured to reach."""
+    if os.environ.get("FLEETCUDA_DEBIAN_MIRROR"):
+        return os.environ["FLEETCUDA_DEBIAN_MIRROR"]
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
+        if path.suffix not in (".list", ".sources") and path.name != "sources.list":
+            continue
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError):
@@ -118,8 +124,11 @@ def debian_mirror() -> str:
                 return line.split()[1]
             parts = line.split()
             if parts[:1] == ["deb"] and "debian" in line and "security" not in line:
-                return next(p for p in parts[1:] if p.startswith("http"))
-    return "http://deb.debian.org/debian"
+                uri = next((p for p in parts[1:] if p.startswith(("http", "file:"))), None)
+                if uri:
+                    return uri
+    sys.exit("labctl: no Debian mirror in this machine's apt sources (/etc/apt/sources.list, "
+             "/etc/apt/sources.list.d/*.sources); add one, or set FLEETCUDA_DEBIAN_MIRROR")
 
 
 def build_standins() -> None:

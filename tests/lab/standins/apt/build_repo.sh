@@ -4,7 +4,7 @@
 # build_repo.sh OUTDIR [REPO_BASE_URL]
 #
 # Builds a signed, flat apt repository laid out like NVIDIA's CUDA repository, for the fleetcuda lab
-# (offline Debian 12 containers cannot reach developer.download.nvidia.com):
+# (offline Debian 12 containers cannot reach NVIDIA's download server):
 #
 #   OUTDIR/compute/cuda/repos/debian12/x86_64/
 #     cuda-keyring_1.1-1_all.deb            keyring + sources list pointing at REPO_BASE_URL
