@@ -296,9 +296,21 @@ def record(path: str | os.PathLike[str], info: RunInfo, results: list[TargetResu
         return None
 
 
+def _text(value: object) -> object:
+    """A string SQLite can store: a path from a non-UTF-8 argv holds lone surrogates (surrogateescape), which
+    UTF-8 cannot encode; they are kept as backslash escapes (`\\udcff`)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 def _record(path: str | os.PathLike[str], info: RunInfo, results: list[TargetResult]) -> int:
-    run_row = (iso_utc(info.started_at), iso_utc(info.finished_at), info.mode, info.recipe_name, info.recipe_path,
-               info.inventory_path, info.exit_code, info.run_dir, info.version)
+    run_row = tuple(_text(v) for v in (
+        iso_utc(info.started_at), iso_utc(info.finished_at), info.mode, info.recipe_name, info.recipe_path,
+        info.inventory_path, info.exit_code, info.run_dir, info.version))
     targets: dict[str, TargetResult] = {}
     for r in results:
         targets.setdefault(r.target, r)  # the engine's ids are unique; never fail a run's record over one
@@ -311,12 +323,13 @@ def _record(path: str | os.PathLike[str], info: RunInfo, results: list[TargetRes
             run_id = int(cur.lastrowid or 0)
             conn.executemany(
                 "INSERT INTO target_results (run_id, target, status, error, duration_s, log) VALUES (?, ?, ?, ?, ?, ?)",
-                [(run_id, r.target, r.status, r.error, round(r.duration, 3), r.log) for r in targets.values()])
+                [(run_id, _text(r.target), _text(r.status), _text(r.error), round(r.duration, 3), _text(r.log))
+                 for r in targets.values()])
             conn.executemany(
                 "INSERT INTO step_results (run_id, target, position, step, status, expected, found, detail, "
                 "duration_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(run_id, r.target, i, s.name, s.status, s.expected, s.found, s.detail, round(s.duration, 3))
-                 for r in targets.values() for i, s in enumerate(r.steps)])
+                [(run_id, _text(r.target), i, _text(s.name), _text(s.status), _text(s.expected), _text(s.found),
+                  _text(s.detail), round(s.duration, 3)) for r in targets.values() for i, s in enumerate(r.steps)])
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")

@@ -138,6 +138,8 @@ def invocation(script: str, env: Mapping[str, str], shell_vars: Mapping[str, str
     for k, v in env.items():
         (secret_env if secrets.is_secret(k, v) else public_env)[k] = v
     for k, v in shell_vars.items():
+        if f"${{{k}}}" not in script:  # only what this script refers to
+            continue
         (secret_vars if secrets.is_secret(sources.get(k, k), v) else public_vars)[k] = v
     return Invocation(script, public_env, timeout, label, public_vars, secret_env, secret_vars)
 

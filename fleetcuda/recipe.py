@@ -44,6 +44,8 @@ class RecipeHead(BaseModel):
         default_factory=dict, description="read-only shell that prints a var's value when it is `auto`")
     env: dict[VarName, str | int | bool] = Field(default_factory=dict, description="environment of every step")
     wheelhouse: WheelhouseSpec | None = Field(default=None, description="what `fleetcuda wheelhouse build` stages")
+    secrets: list[VarName] = Field(default_factory=list, description="variables never printed nor on a command line "
+                                                                     "(besides those named like a token or password)")
     steps: list[Any] = Field(min_length=1)
 
 
@@ -58,6 +60,7 @@ class Recipe:
     steps: list[StepSpec]
     source: SourceDoc
     wheelhouse: WheelhouseSpec | None = None
+    secrets: tuple[str, ...] = ()
 
     def step_loc(self, index: int, field: str | None = None) -> tuple:
         return ("steps", index) + ((field,) if field else ())
@@ -71,6 +74,9 @@ def load_recipe(path: str | Path) -> Recipe:
     for name in head.vars:
         if name in BUILTIN_VARS:
             raise doc.error(("vars", name), f"{name!r} is set by fleetcuda for each target")
+    for i, name in enumerate(head.secrets):
+        if name not in head.vars:
+            raise doc.error(("secrets", i), f"{name!r} is not a variable declared under `vars`")
     for name in head.facts:
         if name not in head.vars:
             raise doc.error(("facts", name), "a fact fills a variable declared under `vars` (value auto)")
@@ -97,6 +103,7 @@ def load_recipe(path: str | Path) -> Recipe:
         steps=steps,
         source=doc,
         wheelhouse=head.wheelhouse,
+        secrets=tuple(head.secrets),
     )
     _check_references(recipe)
     return recipe

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from fleetcuda.engine import StepResult, TargetResult
+    from fleetcuda.results import StepResult, TargetResult
 
 STATUS_STYLE = {
     "ok": "green", "changed": "yellow", "skipped": "dim", "would-change": "cyan", "drift": "red",

@@ -69,7 +69,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleetcuda import __version__
-from fleetcuda.engine import StepResult, TargetResult
+from fleetcuda.results import StepResult, TargetResult
 from fleetcuda.report import STATUS_STYLE
 
 SCHEMA = "fleetcuda.verify/1"

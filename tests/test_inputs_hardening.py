@@ -21,7 +21,7 @@ from fleetcuda.recipe import check_fact_value, parse_var_overrides
 from fleetcuda.schedule import install_cron, show_cron
 from fleetcuda.templating import TemplateError
 from fleetcuda.wheelcache import CacheEntry, WheelCache
-from tests.conftest import REPO, run_fleetcuda
+from tests.conftest import REPO
 
 LOCAL_INVENTORY = "hosts:\n  here:\n    kind: local\n"
 TRUE_RECIPE = "name: r\nsteps:\n  - name: s\n    check: 'true'\n"
@@ -38,12 +38,12 @@ def write(tmp: Path, name: str, text: str | bytes) -> Path:
 
 def cli(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 60,
         ) -> subprocess.CompletedProcess[str]:
-    if env is None:
-        return run_fleetcuda(*args, state=tmp / "state", timeout=timeout)
+    """The real CLI, as tests.conftest.run_fleetcuda runs it, with extra environment; output bytes that are not
+    UTF-8 (a path from non-UTF-8 argv) are read back as backslash escapes."""
     full = {**os.environ, "FLEETCUDA_STATE_DIR": str(tmp / "state"), "FLEETCUDA_CACHE_DIR": str(tmp / "cache"),
-            "COLUMNS": "200", **env}
+            "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "fleetcuda", *args], capture_output=True, text=True, env=full,
-                          cwd=REPO, timeout=timeout)
+                          cwd=REPO, timeout=timeout, errors="backslashreplace")
 
 
 def assert_input_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -392,3 +392,49 @@ def test_a_replaced_cache_entry_is_never_missing(tmp_path: Path) -> None:
     bad = [s for s in seen if not isinstance(s, CacheEntry)]
     assert not bad, f"{len(bad)} of {len(seen)} lookups saw no usable entry: {bad[:3]}"
     assert not list((tmp_path / "cache").glob("*/.*"))  # no staging or old entries left behind
+
+
+# ---------------------------------------------------------------------------------------------- found by the fuzz
+
+def test_history_runs_beyond_sqlite_integers_lists_all(tmp_path: Path) -> None:
+    """Found by the argv fuzz: `history --runs 99999999999999999999` was an OverflowError once a run was recorded."""
+    recipe = write(tmp_path, "r.yaml", TRUE_RECIPE)
+    inv = write(tmp_path, "inv.yaml", LOCAL_INVENTORY)
+    assert cli(tmp_path, "verify", str(recipe), "-i", str(inv), "--plain").returncode == 0
+    for runs in ("99999999999999999999", "9223372036854775808", "-5"):
+        proc = cli(tmp_path, "history", "--runs", runs, "--format", "json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+        assert proc.stdout.count('"recipe_name": "r"') == (0 if runs == "-5" else 1)
+
+
+def test_a_run_from_a_non_utf8_path_is_recorded(tmp_path: Path) -> None:
+    """A recipe path from non-UTF-8 argv bytes (surrogateescape) could not be stored in SQLite."""
+    from datetime import UTC, datetime
+
+    from fleetcuda.engine import StepResult, TargetResult
+    from fleetcuda.history import record
+    from fleetcuda.reports import RunInfo
+
+    now = datetime.now(UTC)
+    info = RunInfo(mode="verify", recipe_path=os.fsdecode(b"/srv/r\xff.yaml"), recipe_name="r",
+                   inventory_path="inv.yaml", started_at=now, finished_at=now, exit_code=0, run_dir=None)
+    warnings: list[str] = []
+    results = [TargetResult("here", "ok", [StepResult("s", "ok", 0.1, "verified", found=os.fsdecode(b"v\xfe"))],
+                            None, os.fsdecode(b"/logs/\xff.log"), 0.2)]
+    assert isinstance(record(tmp_path / "state" / "history.sqlite", info, results, on_error=warnings.append), int)
+    assert warnings == []
+    shown = cli(tmp_path, "history", "--format", "json")
+    assert shown.returncode == 0, shown.stderr
+    assert "/srv/r\\\\udcff.yaml" in shown.stdout, shown.stdout
+
+
+@pytest.mark.xfail(reason="found by the argv fuzz: engine.make_run_dir names the directory by second and pid, so a "
+                          "second run of one process within the same second fails with FileExistsError (engine.py "
+                          "is not this change's file)", strict=False)
+def test_two_runs_in_one_second_get_their_own_run_directories(tmp_path: Path) -> None:
+    from fleetcuda.engine import make_run_dir
+
+    first = make_run_dir("verify", "r", root=tmp_path)
+    second = make_run_dir("verify", "r", root=tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()

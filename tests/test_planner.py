@@ -25,10 +25,11 @@ def test_flagship_plan_for_the_example_follows_the_seeds() -> None:
     (target,) = inv.targets
     assert target.id == "pve-gpu1/200" and target.python == "/root/venv/bin/python"
     values = base_values(recipe, target, {})
-    assert pending_facts(recipe, values) == []  # max_jobs comes from the inventory; cuda from the group
+    # max_jobs comes from the inventory, cuda from the group; the venv's Python X.Y is read from the target
+    assert pending_facts(recipe, values) == ["python_xy"]
     plan = make_plan(recipe, target, values)
     steps = {s.name: s for s in plan.steps}
-    assert list(steps) == ["cuda-keyring", "cuda-compiler", "cuda-home", "build-deps", "torch-matches-nvcc",
+    assert list(steps) == ["preflight", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home", "build-deps", "torch-matches-nvcc",
                            "causal-conv1d", "fla-core", "fast-path"]
     assert "cuda-nvcc-12-8 cuda-cudart-dev-12-8" in steps["cuda-compiler"].apply.argv[-2]
     build = steps["causal-conv1d"].apply.argv
@@ -68,7 +69,7 @@ def test_variable_precedence(tmp_path: Path) -> None:
 def test_auto_values_come_from_one_fact_round_trip() -> None:
     recipe, inv = load_recipe(GDN), load_inventory(EXAMPLE)
     target = inv.targets[0]
-    values = base_values(recipe, target, {"cuda_version": "auto", "max_jobs": "auto"})
+    values = base_values(recipe, target, {"cuda_version": "auto", "max_jobs": "auto", "python_xy": "3.11"})
     names = pending_facts(recipe, values)
     assert names == ["cuda_version", "max_jobs"]
     nonce = "0123456789abcdef"

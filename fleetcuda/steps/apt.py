@@ -90,7 +90,11 @@ class AptPackagesStep(StepSpec):
         for p in packages:
             if not re.match(PACKAGE, p):
                 raise ValueError(f"{p!r} is not a Debian package name (optionally name=version)")
-        done = all_of(*[installed(p) for p in packages], ctx.shell(self.verify) if self.verify else None)
+        # Says which packages are missing, so that a report's `found` names them.
+        missing = "\n".join(["fc_apt_missing="]
+                            + [f'{installed(p)} || fc_apt_missing="$fc_apt_missing {p}"' for p in packages]
+                            + ['[ -z "$fc_apt_missing" ] || { echo "not installed:$fc_apt_missing"; exit 1; }'])
+        done = all_of(missing, ctx.shell(self.verify) if self.verify else None)
         apt = APT.format(lock=lock_seconds(ctx, self.lock_timeout))
         apply = "\n".join(filter(None, [
             "set -e -o pipefail",

@@ -18,6 +18,7 @@ into every container (containers have no network). Needs root. Stdlib only.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -54,6 +55,9 @@ class LabHost:
     users: list[User]
     running: list[int]
     stopped: list[int] = field(default_factory=list)
+    base: Path = BASE  # the overlay's lower layer, shared by the host's containers
+    # (host directory, where under IN_CONTAINER) bind-mounted read-only; None: the default stand-ins
+    mounts: tuple[tuple[Path, str], ...] | None = None
 
     @property
     def netns(self) -> str:
@@ -83,9 +87,32 @@ def _bench(size: str, first: int, hosts: int, per_host: int) -> list[LabHost]:
                     running=[(first + i) * 100 + j for j in range(per_host)]) for i in range(1, hosts + 1)]
 
 
-# `--topology NAME`: extra fleets for benchmarks/, brought up and down on their own, each with its own
-# known_hosts (known_hosts.NAME) and marker (up.NAME); "default" is the lab above, unchanged.
-TOPOLOGIES = {"default": HOSTS, "bench-2x4": _bench("2x4", 20, 2, 4), "bench-4x16": _bench("4x16", 40, 4, 16)}
+# `real`: the real toolchain (README, "Real parts and stand-ins"). Its containers are made like Proxmox's
+# Debian 12 template (no compiler, no Python headers) with PyPI's torch 2.11.0 (cu130) and transformers 5.x in
+# /root/venv, and see only real packages: NVIDIA's nvcc 13.0.88 repackaged from its PyPI wheels (in the NVIDIA
+# apt stand-in, a repository of their own, so the default lab's is never rebuilt for them), Debian's own .debs
+# (the closure of g++ and python3.X-dev that the template lacks, with Debian's signed index), and a wheelhouse
+# from PyPI (fla-core, causal-conv1d's sdist, ...). Everything under LAB/real.
+REAL = LAB / "real"
+REAL_BASE = REAL / "base"
+REAL_APT = REAL / "apt"
+REAL_DEBIAN = REAL / "debian"
+REAL_PYPI = REAL / "pypi"
+CUDA13_DEBS = LAB / "cuda13-debs"  # cuda13_debs.py's output (its wheels are cached in LAB/cuda13-wheels)
+REAL_VENV = ["torch==2.11.0", "transformers>=5,<6"]  # in the template's venv, from PyPI
+REAL_WHEELHOUSE = ["fla-core==0.6.0", "einops", "wheel", "setuptools", "packaging", "ninja"]  # for the recipe
+REAL_SDISTS = ["causal-conv1d==1.7.0"]
+REAL_DEBIAN_SUITE = "bookworm"
+REAL_HOSTS = [
+    LabHost("real1", 60, [HOSTS[1].users[0]], running=[600, 601], base=REAL_BASE,
+            mounts=((REAL_APT, "apt"), (REAL_PYPI, "wheelhouse"), (REAL_DEBIAN, "debian"))),
+]
+
+# `--topology NAME`: extra fleets brought up and down on their own, each with its own known_hosts
+# (known_hosts.NAME) and marker (up.NAME): bench-* for benchmarks/, real for tests/test_lab_real.py
+# (inventories/lab-real.yaml); "default" is the lab above, unchanged.
+TOPOLOGIES = {"default": HOSTS, "bench-2x4": _bench("2x4", 20, 2, 4), "bench-4x16": _bench("4x16", 40, 4, 16),
+              "real": REAL_HOSTS}
 
 
 def log(msg: str) -> None:
@@ -160,6 +187,157 @@ def build_base() -> None:
         run("umount", mnt)
     (tmp / ".fleetcuda-complete").write_text("")
     tmp.rename(BASE)
+
+
+def _stamped(path: Path, want: str) -> bool:
+    try:
+        return path.read_text() == want
+    except OSError:
+        return False
+
+
+def build_real_pypi() -> None:
+    """PyPI's packages for the real topology: the template venv's and the recipe's wheelhouse, in one directory
+    (pip's own resolver, this machine's pip configuration). Resumable: pip keeps what is already there."""
+    stamp = REAL_PYPI / ".fleetcuda-pypi"
+    want = "\n".join([*REAL_VENV, *REAL_WHEELHOUSE]) + "\n"
+    if _stamped(stamp, want):
+        return
+    REAL_PYPI.mkdir(parents=True, exist_ok=True)
+    log(f"downloading from PyPI: {', '.join(REAL_VENV + REAL_WHEELHOUSE)} (about 3 GB the first time)")
+    run(sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--only-binary=:all:",
+        "-d", REAL_PYPI, *REAL_VENV, *REAL_WHEELHOUSE)
+    stamp.write_text(want)
+
+
+def build_real_sdists() -> None:
+    """causal-conv1d's sdist. pip prepares an sdist's metadata by running its setup.py, which imports torch and
+    wheel: it runs with the template venv's torch and the staged wheel on PYTHONPATH, without build isolation
+    (which would pull the newest torch into a throwaway environment)."""
+    stamp = REAL_PYPI / ".fleetcuda-sdists"
+    want = "\n".join(REAL_SDISTS) + "\n"
+    if _stamped(stamp, want):
+        return
+    site = next((REAL_BASE / "root/venv/lib").glob("python3*/site-packages"))
+    wheel = sorted(REAL_PYPI.glob("wheel-*.whl"))[-1]  # pure Python: importable straight from the zip
+    env = {**os.environ, "PYTHONPATH": f"{wheel}:{site}", "CAUSAL_CONV1D_SKIP_CUDA_BUILD": "TRUE",
+           "CAUSAL_CONV1D_FORCE_BUILD": "TRUE"}
+    log(f"downloading the sdists {', '.join(REAL_SDISTS)}")
+    run(sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+        "--no-binary=:all:", "--no-build-isolation", "-d", REAL_PYPI, *REAL_SDISTS, env=env)
+    stamp.write_text(want)
+
+
+def real_python_xy(root: Path = REAL_BASE) -> str:
+    """The X.Y of the template's python3 (the venv's interpreter), from its symlink: python3 -> python3.11."""
+    target = os.readlink(root / "usr/bin/python3")
+    if not target.startswith("python3."):
+        raise SystemExit(f"labctl: {root}/usr/bin/python3 -> {target}: expected python3.X")
+    return target.removeprefix("python")
+
+
+def build_real_base() -> None:
+    """Like Proxmox's Debian 12 template: no build-essential, no python3.X-dev; Debian's apt source is the lab's
+    copy of the mirror; /root/venv holds PyPI's torch 2.11.0 (cu130) and transformers 5.x."""
+    if (REAL_BASE / ".fleetcuda-complete").exists():
+        return
+    tmp = REAL / "base.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    log("debootstrap of the real topology's Debian 12 template (minbase, python3, python3-venv)")
+    run("debootstrap", "--variant=minbase", "--include=python3,python3-venv", REAL_DEBIAN_SUITE, tmp,
+        debian_mirror())
+    # As a template's sources.list names the Debian mirror; containers are offline, so the mirror is the lab's copy.
+    (tmp / "etc/apt/sources.list").write_text(f"deb file://{IN_CONTAINER}/debian {REAL_DEBIAN_SUITE} main\n")
+    mnt = tmp / IN_CONTAINER.lstrip("/") / "wheelhouse"
+    mnt.mkdir(parents=True)
+    run("mount", "--bind", REAL_PYPI, mnt)
+    try:
+        log(f"installing {', '.join(REAL_VENV)} into the template's /root/venv (about 5 GB)")
+        run("chroot", tmp, "/usr/bin/python3", "-m", "venv", "/root/venv")
+        run("chroot", tmp, "/root/venv/bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
+            "--no-index", "--find-links", f"{IN_CONTAINER}/wheelhouse", *REAL_VENV)
+    finally:
+        run("umount", mnt)
+    shutil.rmtree(tmp / "root/.cache", ignore_errors=True)
+    (tmp / ".fleetcuda-complete").write_text("")
+    tmp.rename(REAL_BASE)
+
+
+def build_real_debian() -> None:
+    """A copy of the Debian mirror holding Debian's signed index for bookworm main and exactly the .debs the
+    template lacks for g++ and python3.X-dev (apt's own resolver against the template's dpkg status, apt's own
+    downloader and hash checks), at the mirror's paths, so that the containers' apt reads it as the mirror."""
+    packages = ["g++", f"python{real_python_xy()}-dev"]
+    status = REAL_BASE / "var/lib/dpkg/status"
+    status_sha = hashlib.sha256(status.read_bytes()).hexdigest()
+    want = f"suite={REAL_DEBIAN_SUITE}\npackages={' '.join(packages)}\nstatus={status_sha}\n"
+    stamp = REAL_DEBIAN / ".fleetcuda-debian"
+    if _stamped(stamp, want):
+        return
+    tmp = REAL / "debian.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    st = tmp / ".apt"
+    for d in ("empty", "state/lists/partial", "cache/archives/partial"):
+        (st / d).mkdir(parents=True)
+    mirror = debian_mirror().rstrip("/")
+    keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
+    (st / "sources.list").write_text(f"deb [signed-by={keyring}] {mirror} {REAL_DEBIAN_SUITE} main\n")
+    apt = ["apt-get", "-q", "-o", f"Dir::Etc::SourceList={st / 'sources.list'}",
+           "-o", f"Dir::Etc::SourceParts={st / 'empty'}", "-o", f"Dir::Etc::PreferencesParts={st / 'empty'}",
+           "-o", f"Dir::Etc::Preferences={st / 'empty' / 'none'}", "-o", f"Dir::State={st / 'state'}",
+           "-o", f"Dir::State::status={status}", "-o", f"Dir::Cache={st / 'cache'}", "-o", "Debug::NoLocking=1",
+           "-o", "Acquire::Languages=none", "-o", "Acquire::GzipIndexes=false", "-o", "APT::Architectures=amd64"]
+    log(f"downloading Debian's {' '.join(packages)} and what the template lacks of their dependencies")
+    run(*apt, "update")
+    uris = run(*apt, "--print-uris", "-qq", "-y", "--no-install-recommends", "install", *packages).stdout
+    run(*apt, "-y", "--no-install-recommends", "--download-only", "install", *packages)
+    count = 0
+    for line in uris.splitlines():
+        parts = line.split()
+        if len(parts) < 2 or not parts[0].startswith("'"):
+            continue
+        url, name = parts[0].strip("'"), parts[1]
+        if not url.startswith(mirror + "/"):
+            raise SystemExit(f"labctl: {url} is not under {mirror}")
+        dest = tmp / url[len(mirror) + 1:]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        (st / "cache/archives" / name).rename(dest)
+        count += 1
+    if not count:
+        raise SystemExit(f"labctl: apt found nothing to download for {packages}:\n{uris}")
+    lists = st / "state/lists"
+    dists = tmp / "dists" / REAL_DEBIAN_SUITE
+    (dists / "main/binary-amd64").mkdir(parents=True)
+    inrelease = next(lists.glob(f"*_dists_{REAL_DEBIAN_SUITE}_InRelease"))
+    shutil.copyfile(inrelease, dists / "InRelease")
+    index = dists / "main/binary-amd64/Packages"
+    shutil.copyfile(next(lists.glob(f"*_dists_{REAL_DEBIAN_SUITE}_main_binary-amd64_Packages")), index)
+    # The mirror serves indices by hash too (InRelease says Acquire-By-Hash: yes).
+    by_hash = index.parent / "by-hash" / "SHA256"
+    by_hash.mkdir(parents=True)
+    os.link(index, by_hash / hashlib.sha256(index.read_bytes()).hexdigest())
+    shutil.rmtree(st)
+    run("chmod", "-R", "a+rX", tmp)
+    (tmp / stamp.name).write_text(want)
+    shutil.rmtree(REAL_DEBIAN, ignore_errors=True)
+    tmp.rename(REAL_DEBIAN)
+    log(f"Debian packages ready: {REAL_DEBIAN} ({count} .debs)")
+
+
+def build_real() -> None:
+    """The real topology's parts; each is kept when it is complete, so a second `up` changes nothing."""
+    REAL.mkdir(parents=True, exist_ok=True)
+    apt = HERE / "standins" / "apt"
+    run(sys.executable, apt / "cuda13_debs.py", CUDA13_DEBS)
+    # Its own repository (and signing key): the default lab's is never rebuilt for it.
+    run("bash", apt / "build_repo.sh", REAL_APT, f"file://{IN_CONTAINER}/apt",
+        env={**os.environ, "FLEETCUDA_CUDA13_DEBS": str(CUDA13_DEBS)})
+    build_real_pypi()
+    build_real_base()
+    build_real_sdists()
+    build_real_debian()
+    log(f"real parts ready: {REAL_APT} (NVIDIA apt, real 13.0), {REAL_DEBIAN} (Debian), {REAL_PYPI} (PyPI)")
 
 
 # -- hosts ---------------------------------------------------------------------------------------
@@ -283,7 +461,7 @@ def ensure_container(host: LabHost, vmid: int) -> None:
     (d / "delta").mkdir(parents=True, exist_ok=True)
     (d / "config").write_text("\n".join([
         f"lxc.uts.name = ct{vmid}",
-        f"lxc.rootfs.path = overlay:{BASE}:{d / 'delta'}",
+        f"lxc.rootfs.path = overlay:{host.base}:{d / 'delta'}",
         "lxc.include = /usr/share/lxc/config/common.conf",
         "lxc.apparmor.profile = unconfined",
         "lxc.net.0.type = empty",
@@ -291,8 +469,8 @@ def ensure_container(host: LabHost, vmid: int) -> None:
         # A tmpfs /run, as systemd gives every Proxmox container: locks there vanish with a restart.
         "lxc.mount.entry = tmpfs run tmpfs rw,nosuid,nodev,mode=755 0 0",
         "lxc.mount.entry = tmpfs run/lock tmpfs rw,nosuid,nodev,noexec,mode=1777,create=dir 0 0",
-        f"lxc.mount.entry = {APT_REPO} {IN_CONTAINER.lstrip('/')}/apt none bind,ro,create=dir 0 0",
-        f"lxc.mount.entry = {WHEELHOUSE} {IN_CONTAINER.lstrip('/')}/wheelhouse none bind,ro,create=dir 0 0",
+        *(f"lxc.mount.entry = {src} {IN_CONTAINER.lstrip('/')}/{dest} none bind,ro,create=dir 0 0"
+          for src, dest in (host.mounts or ((APT_REPO, "apt"), (WHEELHOUSE, "wheelhouse")))),
         "",
     ]))
 
@@ -346,8 +524,11 @@ def up(topology: str = "default") -> None:
         raise SystemExit(f"labctl: missing {', '.join(missing)}; tests/run installs them")
     LAB.mkdir(parents=True, exist_ok=True)
     os.chmod(LAB, 0o755)
-    build_standins()
-    build_base()
+    if topology == "real":
+        build_real()
+    else:
+        build_standins()
+        build_base()
     ensure_keys()
     ensure_users()
     shutil.copyfile(HERE / "pct_lxc.py", PCT)

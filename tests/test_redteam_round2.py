@@ -1,0 +1,200 @@
+"""Red team round 2: each test reproduces a broken promise through the real CLI (local hosts, real bash)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_fleetcuda
+
+
+def _files(tmp_path: Path, recipe: str, inventory: str = "hosts:\n  h:\n    kind: local\n") -> tuple[Path, Path]:
+    r = tmp_path / "r.yaml"
+    r.write_text(textwrap.dedent(recipe))
+    i = tmp_path / "i.yaml"
+    i.write_text(inventory)
+    return r, i
+
+
+# Promise 1: a {{ }} value can never run a command. Each script below is ordinary bash; the value
+# `a[$(touch PWNED)]` is inserted as "${fc_n}" where bash then evaluates it as arithmetic or as a
+# variable name (an array subscript), which runs the command substitution.
+INJECTION_CONTEXTS = {
+    "arith_in_unquoted_heredoc": "cat <<EOF\n$(( {{ n }} + 1 ))\nEOF",
+    "herestring_confuses_scanner": "cat <<<x\n(( {{ n }} > 0 )) || true",
+    "assignment_to_declare_i_var": "declare -i k\nk={{ n }}",
+    "test_v": "[ -v {{ n }} ] || true",
+    "printf_v": "printf -v {{ n }} %s 1",
+    "read_into_name": "read -r {{ n }} <<<'x' || true",
+    "compound_array_assignment": "arr=([{{ n }}]=1)",
+    "declare_name": "declare {{ n }}=1",
+    "declare_nameref": "declare -n r={{ n }}; echo \"$r\"",
+    "if_arith_without_space": "if(( {{ n }} )); then :; fi",
+    "while_arith_without_space": "while(( {{ n }} )); do break; done",
+    "for_arith_without_space": "for((i=0;i<{{ n }};i++)); do :; done",
+    "wait_p": "true & wait -p {{ n }} $! || true",
+}
+
+
+@pytest.mark.parametrize("context", list(INJECTION_CONTEXTS))
+def test_redteam2_template_value_runs_command(context: str, tmp_path: Path) -> None:
+    pwned = tmp_path / "pwned"
+    script = INJECTION_CONTEXTS[context]
+    r, i = _files(tmp_path, "name: r\nvars:\n  n: \"1\"\nsteps:\n  - name: s\n    verify: "
+                  + json.dumps(script) + "\n")
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", "--var", f"n=a[$(touch {pwned})]",
+                         state=tmp_path / "s", timeout=30)
+    assert not pwned.exists(), f"{context}: the --var value ran a command (exit {proc.returncode})"
+    # Either it was refused at load (exit 2 naming the field) or it ran as data.
+    assert proc.returncode in (0, 1, 2), proc.stdout + proc.stderr
+
+
+# Promise 2: secrets. A variable named like a key (`hf_key`, `access_key`, `ssh_key`) is a secret by the
+# promise's own words, but only `api_key`/`apikey`/`private_key` are recognised: its value is printed in the
+# dry-run, travels on the command line and is stored in the log.
+def test_redteam2_key_named_variable_is_printed_and_logged(tmp_path: Path) -> None:
+    secret = "hfKeyValue-8c1d2e"
+    r, i = _files(tmp_path, """\
+        name: r
+        vars:
+          hf_key: unset
+        steps:
+          - name: s
+            env:
+              HF_KEY: "{{ hf_key }}"
+            check: "false"
+            apply: echo "{{ hf_key }}" >/dev/null
+        """)
+    dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--var", f"hf_key={secret}", state=tmp_path / "s")
+    assert dry.returncode == 0
+    assert secret not in dry.stdout + dry.stderr, "the key's value is printed by --dry-run"
+
+
+def test_redteam2_secret_in_module_field_is_on_a_process_command_line(tmp_path: Path) -> None:
+    # pip_install's index_url carries a token; fleetcuda splices it into the `bash -c` script, so it is in
+    # /proc/<pid>/cmdline of the target's bash for as long as the step runs.
+    secret = "tok-" + "q" * 16
+    fakepy = tmp_path / "fakepy"
+    fakepy.write_text("#!/bin/bash\nsleep 3\nexit 1\n")
+    fakepy.chmod(0o755)
+    r, i = _files(tmp_path, f"""\
+        name: r
+        vars:
+          api_token: unset
+        steps:
+          - name: p
+            kind: pip_install
+            python: {fakepy}
+            packages: ["foo==1.0"]
+            index_url: "https://mirror.example.invalid/{{{{ api_token }}}}/simple"
+        """, "hosts:\n  h:\n    kind: local\n    vars:\n      api_token: " + secret + "\n")
+    env = {"PATH": "/usr/bin:/bin", "FLEETCUDA_STATE_DIR": str(tmp_path / "s"), "HOME": str(tmp_path),
+           "FLEETCUDA_CACHE_DIR": str(tmp_path / "c")}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", str(r), "-i", str(i), "--plain"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = set()
+    deadline = time.monotonic() + 20
+    while proc.poll() is None and time.monotonic() < deadline:
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    cmd = (d / "cmdline").read_bytes().decode("utf-8", "replace")
+                except OSError:
+                    continue
+                if secret in cmd and "bash" in cmd:
+                    seen.add(cmd.replace("\0", " ")[:200])
+        time.sleep(0.1)
+    proc.communicate(timeout=30)
+    assert not seen, f"the token is on a command line while the step runs: {sorted(seen)[:2]}"
+
+
+# Promise 3: a batched check forges another check's result. The check runs under the batch shell, can read
+# the frame nonce from that shell's /proc/<pid>/cmdline and write frame lines straight into its stdout
+# (/proc/<pid>/fd/1), unprefixed; killing the batch shell then stops the real frames from arriving.
+def test_redteam2_batched_check_forges_another_checks_result(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, """\
+        name: r
+        steps:
+          - name: evil
+            verify: |
+              b=$(ps -o ppid= -p $PPID | tr -d ' ')
+              n=$(tr '\\0' '\\n' < /proc/$b/cmdline | grep -o '@@fleetcuda:[0-9a-f]*' | head -1)
+              printf '\\n%s end 0 0 5\\n%s begin 1\\n\\n%s end 1 0 5\\n' "$n" "$n" "$n" > /proc/$b/fd/1
+              kill -9 $b
+          - name: other
+            verify: "false"
+        """)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=30)
+    assert "other: ok" not in proc.stdout, "a check that always fails is reported ok"
+    assert proc.returncode == 1, proc.stdout
+
+
+def test_redteam2_batched_check_forges_its_own_result(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, """\
+        name: r
+        steps:
+          - name: a
+            verify: "true"
+          - name: evil
+            verify: |
+              b=$(ps -o ppid= -p $PPID | tr -d ' ')
+              n=$(tr '\\0' '\\n' < /proc/$b/cmdline | grep -o '@@fleetcuda:[0-9a-f]*' | head -1)
+              printf '\\n%s end 1 0 5\\n' "$n" > /proc/$b/fd/1
+              exit 1
+        """)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=30)
+    assert proc.returncode == 1, "a check that exits 1 is reported as passing: " + proc.stdout
+
+
+# Promise 5: target output is never interpreted as terminal control sequences. A check's output with an
+# OSC "set window title", "clear screen" and colour sequences reaches the user's terminal raw, both in
+# --show-output lines and in the failed step's output tail.
+def test_redteam2_terminal_control_sequences_from_target_reach_the_terminal(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, """\
+        name: r
+        steps:
+          - name: mk
+            verify: |
+              printf 'esc:\\033]0;TITLE\\007 \\033[2J \\033[31mRED\\033[0m\\n'
+              exit 1
+        """)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", "--show-output", state=tmp_path / "s", timeout=30)
+    assert proc.returncode == 1
+    assert "\x1b" not in proc.stdout + proc.stderr, "a raw ESC from the target is printed"
+    tail = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=30)
+    assert "\x1b" not in tail.stdout + tail.stderr, "a raw ESC from the target is printed in the output tail"
+
+
+# Promise 9: bad input exits 2. An empty --limit (as from an unset shell variable: --limit "$HOSTS") selects
+# every target and applies to them, where a pattern that matches nothing is documented as an error.
+@pytest.mark.parametrize("limit", ["", ",", " "])
+def test_redteam2_empty_limit_selects_every_target(limit: str, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    r, i = _files(tmp_path, f"""\
+        name: r
+        steps:
+          - name: s
+            check: "false"
+            apply: touch {marker}
+        """)
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--limit", limit, state=tmp_path / "s", timeout=30)
+    assert not marker.exists(), f"--limit {limit!r} applied the recipe to every target"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+
+
+def test_redteam2_state_dir_symlink_loop_is_an_internal_error(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, "name: r\nsteps:\n  - name: s\n    verify: \"true\"\n")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=loop, timeout=30)
+    assert proc.returncode == 2, f"exit {proc.returncode}: {proc.stderr.strip()}"
+    assert "FLEETCUDA_STATE_DIR" in proc.stderr
