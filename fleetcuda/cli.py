@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fleetcuda import __version__, doctor
+from fleetcuda.connector import LocalTransport, Transport, TransportPool
 from fleetcuda.engine import Engine, exit_code, make_run_dir, state_dir
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
 from fleetcuda.framing import new_nonce
@@ -52,8 +53,6 @@ from fleetcuda.schedule import (
     show_cron,
     show_systemd,
 )
-from fleetcuda.transport import LocalTransport, SshTransport, Transport, TransportPool
-from fleetcuda.trust import trust as trust_host
 from fleetcuda.wheelcache import CacheEntry, Problem, WheelCache, render_cache
 from fleetcuda.wheelhouse import DEFAULT_DEST, files_of, plan_download, push, run_download, sha256
 
@@ -243,6 +242,8 @@ def _report_targets(args: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 def trust(args: argparse.Namespace) -> int:
     """Record a host key after showing it: never silently, never from cron without a fingerprint."""
+    from fleetcuda.trust import trust as trust_host  # paramiko: loaded only by the commands that connect
+
     return trust_host(args.inventory, args.host, expected=args.fingerprint, yes=args.yes)
 
 
@@ -332,6 +333,8 @@ def _transport_factory(inventory: Inventory):
         spec = inventory.spec.hosts[host]
         if spec.kind == "local":
             return LocalTransport()
+        from fleetcuda.transport import SshTransport  # paramiko: loaded only when a host needs it
+
         target = next(t for t in inventory.targets if t.host == host)
         assert target.chain.ssh is not None
         return SshTransport(target.chain.ssh)

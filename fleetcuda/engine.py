@@ -27,6 +27,7 @@ from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
 from fleetcuda import __version__, fingerprint, framing, transfer
 from fleetcuda.command import BuiltCommand, Invocation, build, quote, stop_invocation
+from fleetcuda.connector import RunResult, TransportPool
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 from fleetcuda.inventory import Target
 from fleetcuda.locks import LOCK_REFRESH_S, LOCK_STALE_S, TargetLock, lock_state, owner_is_dead
@@ -53,7 +54,6 @@ from fleetcuda.results import StepStatus, TargetStatus
 from fleetcuda.results import TargetResult as TargetResult
 from fleetcuda.results import exit_code as exit_code
 from fleetcuda.templating import TemplateError
-from fleetcuda.transport import RunResult, SshTransport, TransportPool
 from fleetcuda.wheelcache import BuildBroker, CacheEntry, WheelCache
 from fleetcuda.wheelhouse import sha256
 
@@ -631,7 +631,7 @@ class Engine:
     def _host_copy(self, target: Target, entry: CacheEntry, log: IO[str]) -> str:
         """The cached wheel on the target's host, uploaded once per host and run (pct reads local files)."""
         transport = self.pool.get(target.host)
-        if not isinstance(transport, SshTransport):
+        if transport.local:  # pct reads the cache's file where it is
             return str(entry.wheel)
         slot = (target.host, entry.key)
         with self._host_copy_guard:

@@ -69,8 +69,8 @@ from rich.table import Table
 from rich.text import Text
 
 from fleetcuda import __version__
-from fleetcuda.results import StepResult, TargetResult
 from fleetcuda.report import STATUS_STYLE
+from fleetcuda.results import StepResult, TargetResult
 
 SCHEMA = "fleetcuda.verify/1"
 TARGET_STATUSES = ("ok", "changed", "would-change", "drift", "failed", "unreachable", "interrupted", "skipped")

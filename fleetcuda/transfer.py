@@ -11,10 +11,10 @@ import tempfile
 from pathlib import Path
 
 from fleetcuda.command import HopChain, Invocation, build, join
+from fleetcuda.connector import Transport
 from fleetcuda.errors import FleetcudaError
 from fleetcuda.inventory import Target
 from fleetcuda.planner import SYSTEM_PATH
-from fleetcuda.transport import LocalTransport, SshTransport, Transport
 
 
 def on_host(transport: Transport, target: Target, argv: list[str], what: str, timeout: float = 600) -> str:
@@ -37,31 +37,24 @@ def in_target(transport: Transport, target: Target, script: str, what: str, time
 
 
 def host_staging_dir(transport: Transport, target: Target) -> str:
-    if isinstance(transport, SshTransport):
+    if not transport.local:
         return on_host(transport, target, ["mktemp", "-d", "/tmp/fleetcuda-push.XXXXXX"], "mktemp").strip()
     return tempfile.mkdtemp(prefix="fleetcuda-push.", dir="/tmp")
 
 
 def remove_on_host(transport: Transport, target: Target, path: str) -> None:
-    if isinstance(transport, SshTransport):
+    if not transport.local:
         on_host(transport, target, ["rm", "-rf", "--", path], "cleanup", timeout=60)
     else:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def to_host(transport: Transport, local: Path, host_path: str) -> None:
-    if isinstance(transport, SshTransport):
-        transport.put(local, host_path)
-    else:
-        assert isinstance(transport, LocalTransport)
-        shutil.copyfile(local, host_path)
+    transport.put(local, host_path)
 
 
 def from_host(transport: Transport, host_path: str, local: Path) -> None:
-    if isinstance(transport, SshTransport):
-        transport.get(host_path, local)
-    else:
-        shutil.copyfile(host_path, local)
+    transport.get(host_path, local)
 
 
 def _pct(target: Target, *args: str) -> list[str]:

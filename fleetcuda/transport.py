@@ -17,12 +17,10 @@ import hashlib
 import hmac
 import os
 import re
-import select
 import socket
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,134 +28,31 @@ from pathlib import Path
 import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from fleetcuda.command import KILL_AFTER_S, BuiltCommand, SshHop
+from fleetcuda.command import BuiltCommand, SshHop
+from fleetcuda.connector import (  # noqa: F401  (re-exported: the SSH connector's module names them too)
+    DEADLINE_MARGIN_S,
+    LOCAL_PATH,
+    LocalTransport,
+    NoReplyError,
+    OnLine,
+    RunResult,
+    Transport,
+    TransportPool,
+    _deadline_s,
+    _LineSplitter,
+)
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
 
 CHANNELS_PER_HOST = 8  # sshd's MaxSessions defaults to 10
-# Beyond a step's own `timeout` (enforced on the target), how long we wait before giving up on it.
-DEADLINE_MARGIN_S = KILL_AFTER_S + 30
 # An SFTP request (open, a block read or written) that gets no answer for this long fails the transfer.
 SFTP_TIMEOUT_S = 60.0
 # A keepalive every KEEPALIVE_INTERVAL_S that must be answered; this many unanswered ones close the
 # connection. The dry-run line says the same (ServerAliveInterval/ServerAliveCountMax in command.ssh_argv).
 KEEPALIVE_INTERVAL_S = 10.0
 KEEPALIVE_COUNT_MAX = 3
-LOCAL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What OpenSSH tries when no identity is given (besides the agent's keys), in its order.
 DEFAULT_IDENTITIES = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
 
-OnLine = Callable[[str], None]
-
-
-class NoReplyError(UnreachableError):
-    """The other side stopped answering: keepalives unanswered, or a command past its deadline."""
-
-
-@dataclass
-class RunResult:
-    rc: int
-    output: str
-    duration: float
-    timed_out: bool = False
-
-
-class Transport:
-    def run(self, cmd: BuiltCommand, *, timeout: float | None, on_line: OnLine) -> RunResult:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        """Close whatever is running (Ctrl-C); the target's `timeout` wrapper still bounds it."""
-
-    def close(self) -> None:
-        pass
-
-
-class _LineSplitter:
-    def __init__(self, on_line: OnLine):
-        self.on_line = on_line
-        self.buf = ""
-        self.parts: list[str] = []
-
-    def feed(self, data: bytes) -> None:
-        text = data.decode("utf-8", "replace")
-        self.parts.append(text)
-        self.buf += text
-        *lines, self.buf = self.buf.replace("\r\n", "\n").split("\n")
-        for line in lines:
-            self.on_line(line)
-
-    def finish(self) -> str:
-        if self.buf:
-            self.on_line(self.buf)
-        return "".join(self.parts)
-
-
-def _deadline_s(timeout: float | None) -> float | None:
-    return timeout + DEADLINE_MARGIN_S if timeout else None
-
-
-class LocalTransport(Transport):
-    """Runs the host-level argv directly (no shell); the environment is a bare PATH.
-
-    As over SSH: a command still running past its control-side deadline (its `timeout` plus
-    DEADLINE_MARGIN_S, by when the target's own `timeout` has long ended it) is killed and raises
-    NoReplyError; it is never reported as if the step itself had timed out.
-    """
-
-    def __init__(self) -> None:
-        self._procs: set[subprocess.Popen[bytes]] = set()
-        self._lock = threading.Lock()
-
-    def run(self, cmd: BuiltCommand, *, timeout: float | None, on_line: OnLine) -> RunResult:
-        start = time.monotonic()
-        stdin = getattr(cmd, "stdin", "")  # secrets, then EOF: nothing can wait for more input
-        proc = subprocess.Popen(list(cmd.argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"PATH": LOCAL_PATH},
-                                start_new_session=True)
-        with self._lock:
-            self._procs.add(proc)
-        if proc.stdin is not None:
-            try:
-                proc.stdin.write(stdin.encode("utf-8", "surrogateescape"))
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        splitter = _LineSplitter(on_line)
-        limit = _deadline_s(timeout)
-        deadline = start + limit if limit else None
-        assert proc.stdout is not None
-        try:
-            while True:
-                wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-                ready, _, _ = select.select([proc.stdout], [], [], wait)
-                if ready:
-                    data = os.read(proc.stdout.fileno(), 65536)
-                    if not data:
-                        break
-                    splitter.feed(data)
-                elif deadline is not None and time.monotonic() >= deadline:
-                    try:
-                        os.killpg(proc.pid, 9)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait()
-                    splitter.finish()
-                    raise NoReplyError(f"no reply from the local machine within {limit:g} s: the command was "
-                                       "still running past its deadline and was killed")
-            rc = proc.wait()
-        finally:
-            proc.stdout.close()
-            with self._lock:
-                self._procs.discard(proc)
-        return RunResult(rc, splitter.finish(), time.monotonic() - start)
-
-    def abort(self) -> None:
-        with self._lock:
-            for proc in list(self._procs):
-                try:
-                    os.killpg(proc.pid, 15)
-                except ProcessLookupError:
-                    pass
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -624,29 +519,6 @@ class SshTransport(Transport):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-
-
-class TransportPool:
-    """One transport per host for the whole run."""
-
-    def __init__(self, factory: Callable[[str], Transport]):
-        self._factory = factory
-        self._transports: dict[str, Transport] = {}
-        self._lock = threading.Lock()
-
-    def get(self, host: str) -> Transport:
-        with self._lock:
-            if host not in self._transports:
-                self._transports[host] = self._factory(host)
-            return self._transports[host]
-
-    def abort(self) -> None:
-        for t in list(self._transports.values()):
-            t.abort()
-
-    def close(self) -> None:
-        for t in list(self._transports.values()):
-            t.close()
 
 
 def fetch_host_key(hop: SshHop) -> paramiko.PKey:

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetcuda.command import join_for_paste, quote
+from fleetcuda.connector import Transport
 from fleetcuda.errors import FleetcudaError, InputError
 from fleetcuda.inventory import Target
 from fleetcuda.recipe import Recipe
 from fleetcuda.templating import render
 from fleetcuda.transfer import host_staging_dir, in_target, into_container, remove_on_host, to_host
-from fleetcuda.transport import LocalTransport, SshTransport, Transport
 
 DEFAULT_DEST = "/var/cache/fleetcuda/wheelhouse"
 SUFFIXES = (".whl", ".tar.gz", ".zip")
@@ -100,12 +100,12 @@ def push(target: Target, transport: Transport, files: list[Path], dest: str,
     if target.container is None:
         for f in files:
             to_host(transport, f, f"{dest}/{f.name}")
-            if isinstance(transport, LocalTransport):
+            if transport.local:
                 os.chmod(Path(dest) / f.name, 0o644)
         echo(f"{target.id}: {len(files)} file(s) in {dest}")
         return
     # Locally pct reads the files where they are; over SSH they go to a private directory on the host first.
-    staging = host_staging_dir(transport, target) if isinstance(transport, SshTransport) else None
+    staging = host_staging_dir(transport, target) if not transport.local else None
     try:
         for f in files:
             if staging:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -186,7 +184,7 @@ def test_redteam2_empty_limit_selects_every_target(limit: str, tmp_path: Path) -
             check: "false"
             apply: touch {marker}
         """)
-    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--limit", limit, state=tmp_path / "s", timeout=30)
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15", "--limit", limit, state=tmp_path / "s", timeout=30)
     assert not marker.exists(), f"--limit {limit!r} applied the recipe to every target"
     assert proc.returncode == 2, proc.stdout + proc.stderr
 
@@ -198,3 +196,51 @@ def test_redteam2_state_dir_symlink_loop_is_an_internal_error(tmp_path: Path) ->
     proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=loop, timeout=30)
     assert proc.returncode == 2, f"exit {proc.returncode}: {proc.stderr.strip()}"
     assert "FLEETCUDA_STATE_DIR" in proc.stderr
+
+
+def _pids_with(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text.encode() in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+# Promise 6: SIGTERM while the checks run batched (the first round trip) stops only the batch shell
+# (`stopped 0 process(es) labelled fleetcuda-batch@...`): the check that was running, labelled with its
+# own step, goes on running on the target after fleetcuda has exited 130.
+def test_redteam2_sigterm_during_batched_checks_leaves_the_check_running(tmp_path: Path) -> None:
+    marker = f"sleep 37.{os.getpid()}"
+    r, i = _files(tmp_path, f"""\
+        name: r
+        steps:
+          - name: a
+            verify: "true"
+          - name: slowcheck
+            check: "{marker}; false"
+            apply: "true"
+        """)
+    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(tmp_path / "s"), "FLEETCUDA_CACHE_DIR": str(tmp_path / "c")}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not _pids_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130, out
+        time.sleep(1)
+        left = _pids_with(marker)
+        assert not left, f"the interrupted check is still running after exit 130: pids {left}\n{out}"
+    finally:
+        for pid in _pids_with(marker):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

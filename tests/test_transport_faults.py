@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda import transport
+from fleetcuda import connector
 from fleetcuda.command import BuiltCommand, SshHop
 from fleetcuda.errors import FleetcudaError, UnreachableError
 from fleetcuda.transport import LocalTransport, SshTransport
@@ -151,7 +151,7 @@ def test_past_the_deadline_it_is_no_reply_not_a_target_timeout(sshd_lab: Loopbac
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The target's own `timeout` must end a step; if nothing comes back by the control-side deadline
     (here 1 s + a 2 s margin) that is the host not replying, never exit 124 as if the step had timed out."""
-    monkeypatch.setattr(transport, "DEADLINE_MARGIN_S", 2)
+    monkeypatch.setattr(connector, "DEADLINE_MARGIN_S", 2)
     t = SshTransport(lab_hop(sshd_lab), attempts=1)
     try:
         exc, took = bounded(lambda: t.run(remote("exec sleep 30"), timeout=1, on_line=lambda _: None), 20)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,7 +98,8 @@ def _bench(size: str, first: int, hosts: int, per_host: int) -> list[LabHost]:
 REAL = LAB / "real"
 REAL_BASE = REAL / "base"
 REAL_APT = REAL / "apt"
-REAL_DEBIAN = REAL / "debian"
+REAL_MIRROR = REAL / "mirror"  # bind-mounted; the repository in it is swapped whole, under running containers
+REAL_DEBIAN = REAL_MIRROR / "debian"
 REAL_PYPI = REAL / "pypi"
 CUDA13_DEBS = LAB / "cuda13-debs"  # cuda13_debs.py's output (its wheels are cached in LAB/cuda13-wheels)
 REAL_VENV = ["torch==2.11.0", "transformers>=5,<6"]  # in the template's venv, from PyPI
@@ -105,7 +108,7 @@ REAL_SDISTS = ["causal-conv1d==1.7.0"]
 REAL_DEBIAN_SUITE = "bookworm"
 REAL_HOSTS = [
     LabHost("real1", 60, [HOSTS[1].users[0]], running=[600, 601], base=REAL_BASE,
-            mounts=((REAL_APT, "apt"), (REAL_PYPI, "wheelhouse"), (REAL_DEBIAN, "debian"))),
+            mounts=((REAL_APT, "apt"), (REAL_PYPI, "wheelhouse"), (REAL_MIRROR, "mirror"))),
 ]
 
 # `--topology NAME`: extra fleets brought up and down on their own, each with its own known_hosts
@@ -248,7 +251,7 @@ def build_real_base() -> None:
     run("debootstrap", "--variant=minbase", "--include=python3,python3-venv", REAL_DEBIAN_SUITE, tmp,
         debian_mirror())
     # As a template's sources.list names the Debian mirror; containers are offline, so the mirror is the lab's copy.
-    (tmp / "etc/apt/sources.list").write_text(f"deb file://{IN_CONTAINER}/debian {REAL_DEBIAN_SUITE} main\n")
+    (tmp / "etc/apt/sources.list").write_text(f"deb file://{IN_CONTAINER}/mirror/debian {REAL_DEBIAN_SUITE} main\n")
     mnt = tmp / IN_CONTAINER.lstrip("/") / "wheelhouse"
     mnt.mkdir(parents=True)
     run("mount", "--bind", REAL_PYPI, mnt)
@@ -271,11 +274,12 @@ def build_real_debian() -> None:
     packages = ["g++", f"python{real_python_xy()}-dev"]
     status = REAL_BASE / "var/lib/dpkg/status"
     status_sha = hashlib.sha256(status.read_bytes()).hexdigest()
-    want = f"suite={REAL_DEBIAN_SUITE}\npackages={' '.join(packages)}\nstatus={status_sha}\n"
+    want = f"suite={REAL_DEBIAN_SUITE} indices=xz\npackages={' '.join(packages)}\nstatus={status_sha}\n"
     stamp = REAL_DEBIAN / ".fleetcuda-debian"
     if _stamped(stamp, want):
         return
-    tmp = REAL / "debian.tmp"
+    REAL_MIRROR.mkdir(parents=True, exist_ok=True)
+    tmp = REAL_MIRROR / ".debian.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     st = tmp / ".apt"
     for d in ("empty", "state/lists/partial", "cache/archives/partial"):
@@ -287,7 +291,7 @@ def build_real_debian() -> None:
            "-o", f"Dir::Etc::SourceParts={st / 'empty'}", "-o", f"Dir::Etc::PreferencesParts={st / 'empty'}",
            "-o", f"Dir::Etc::Preferences={st / 'empty' / 'none'}", "-o", f"Dir::State={st / 'state'}",
            "-o", f"Dir::State::status={status}", "-o", f"Dir::Cache={st / 'cache'}", "-o", "Debug::NoLocking=1",
-           "-o", "Acquire::Languages=none", "-o", "Acquire::GzipIndexes=false", "-o", "APT::Architectures=amd64"]
+           "-o", "Acquire::Languages=none", "-o", "APT::Architectures=amd64"]
     log(f"downloading Debian's {' '.join(packages)} and what the template lacks of their dependencies")
     run(*apt, "update")
     uris = run(*apt, "--print-uris", "-qq", "-y", "--no-install-recommends", "install", *packages).stdout
@@ -300,7 +304,7 @@ def build_real_debian() -> None:
         url, name = parts[0].strip("'"), parts[1]
         if not url.startswith(mirror + "/"):
             raise SystemExit(f"labctl: {url} is not under {mirror}")
-        dest = tmp / url[len(mirror) + 1:]
+        dest = tmp / urllib.parse.unquote(url[len(mirror) + 1:])  # the pool path, as the mirror names it
         dest.parent.mkdir(parents=True, exist_ok=True)
         (st / "cache/archives" / name).rename(dest)
         count += 1
@@ -308,20 +312,32 @@ def build_real_debian() -> None:
         raise SystemExit(f"labctl: apt found nothing to download for {packages}:\n{uris}")
     lists = st / "state/lists"
     dists = tmp / "dists" / REAL_DEBIAN_SUITE
-    (dists / "main/binary-amd64").mkdir(parents=True)
+    dists.mkdir(parents=True)
     inrelease = next(lists.glob(f"*_dists_{REAL_DEBIAN_SUITE}_InRelease"))
     shutil.copyfile(inrelease, dists / "InRelease")
-    index = dists / "main/binary-amd64/Packages"
-    shutil.copyfile(next(lists.glob(f"*_dists_{REAL_DEBIAN_SUITE}_main_binary-amd64_Packages")), index)
-    # The mirror serves indices by hash too (InRelease says Acquire-By-Hash: yes).
-    by_hash = index.parent / "by-hash" / "SHA256"
-    by_hash.mkdir(parents=True)
-    os.link(index, by_hash / hashlib.sha256(index.read_bytes()).hexdigest())
+    # The indices as the mirror serves them (xz), fetched by apt's own downloader against the hashes that the
+    # InRelease apt has just verified signs for them; by hash too, as the mirror does (Acquire-By-Hash: yes).
+    signed = inrelease.read_text()
+    for name in ("main/binary-amd64/Packages.xz", "main/i18n/Translation-en.xz"):
+        found = re.search(rf"^SHA256:\n(?:.*\n)*? ([0-9a-f]{{64}}) +\d+ {re.escape(name)}$", signed, re.M)
+        if not found:
+            raise SystemExit(f"labctl: {inrelease} signs no {name}")
+        index = dists / name
+        index.parent.mkdir(parents=True, exist_ok=True)
+        run("/usr/lib/apt/apt-helper", "-q", "download-file", f"{mirror}/dists/{REAL_DEBIAN_SUITE}/{name}", index,
+            f"SHA256:{found[1]}")
+        by_hash = index.parent / "by-hash" / "SHA256"
+        by_hash.mkdir(parents=True, exist_ok=True)
+        os.link(index, by_hash / found[1])
     shutil.rmtree(st)
     run("chmod", "-R", "a+rX", tmp)
     (tmp / stamp.name).write_text(want)
-    shutil.rmtree(REAL_DEBIAN, ignore_errors=True)
+    old = REAL_MIRROR / ".debian.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if REAL_DEBIAN.exists():
+        REAL_DEBIAN.rename(old)
     tmp.rename(REAL_DEBIAN)
+    shutil.rmtree(old, ignore_errors=True)
     log(f"Debian packages ready: {REAL_DEBIAN} ({count} .debs)")
 
 
