@@ -195,6 +195,9 @@ def _say(text: str) -> None:
 
 def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "limit", None) is not None and not args.limit.strip(" ,\t"):
+        # `--limit "$HOSTS"` with HOSTS unset must not mean every target.
+        raise InputError("--limit", None, repr(args.limit), "is empty: name hosts, groups, containers or globs")
     # Commands that take no recipe; apply and verify follow.
     other = {"trust": trust, "wheelhouse": wheelhouse, "doctor": doctor_command, "history": show_history,
              "schedule": schedule_command, "cache": cache_command}.get(args.command)

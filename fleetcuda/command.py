@@ -170,30 +170,39 @@ def target_argv(inv: Invocation) -> list[str]:
     return argv
 
 
-# Run inside a target after Ctrl-C: TERM (then KILL) every process whose last argument is the label
-# of the step that was running. `timeout` passes the signal on to the step's whole process group.
-STOP_SCRIPT = r"""label=$1
+# Run inside a target after Ctrl-C: TERM (then KILL) every process of this run, found by its label (the
+# last argument: `fleetcuda:<step>@<run>` or `fleetcuda-<what>@<run>`), the stop script itself excepted.
+# `timeout` passes the signal on to the step's whole process group. Other runs' processes have other run ids.
+STOP_SCRIPT = r"""run=$1
+label=$2
 stop() {
   n=0
   for d in /proc/[0-9]*; do
     pid=${d#/proc/}
     [ "$pid" = "$$" ] && continue
     last=$(tr '\0' '\n' < "$d/cmdline" 2>/dev/null | tail -n 1) || continue
-    if [ "$last" = "$label" ]; then kill "-$1" "$pid" 2>/dev/null && n=$((n + 1)); fi
+    case $last in
+      "fleetcuda-stop@$run") ;;
+      fleetcuda:*"@$run"|fleetcuda-*"@$run") kill "-$1" "$pid" 2>/dev/null && n=$((n + 1)) ;;
+    esac
   done
   echo "$n"
 }
 first=$(stop TERM)
 for _ in 1 2 3 4 5 6 7 8 9 10; do [ "$(stop 0)" = 0 ] && break; sleep 1; done
 left=$(stop KILL)
-echo "stopped $first process(es) labelled $label; $left needed KILL"
+echo "stopped $first process(es) labelled $label (or of run $run); $left needed KILL"
 """
 
 
 def stop_invocation(label: str) -> Invocation:
-    """What fleetcuda runs in a target to stop the step labelled `label` (after Ctrl-C or SIGTERM)."""
-    return Invocation(f"set -- {quote(label)}\n" + STOP_SCRIPT, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                      timeout=60, label=internal_label("stop", label.rpartition("@")[2] if "@" in label else ""))
+    """What fleetcuda runs in a target to stop what its run `label@<run>` had started there (after Ctrl-C
+    or SIGTERM). A label without a run id stops only processes of exactly that label's run-less form."""
+    run = label.rpartition("@")[2] if "@" in label else ""
+    if not run:
+        raise ValueError(f"label {label!r} names no run")
+    return Invocation(f"set -- {quote(run)} {quote(label)}\n" + STOP_SCRIPT, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                      timeout=60, label=internal_label("stop", run))
 
 
 def step_label(step: str, run_id: str = "") -> str:

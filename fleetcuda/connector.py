@@ -7,6 +7,7 @@ whether a host is this machine is the connector's own `local` attribute, never a
 
 from __future__ import annotations
 
+import codecs
 import os
 import select
 import shutil
@@ -63,23 +64,38 @@ class Transport:
 
 
 class _LineSplitter:
+    """Bytes as they arrive -> whole lines to `on_line`, and the whole text at the end. Linear in the
+    output's size however long its lines (a partial line is kept as pieces, joined once it ends); a
+    character split across two reads is decoded whole."""
+
     def __init__(self, on_line: OnLine):
         self.on_line = on_line
-        self.buf = ""
+        self.pending: list[str] = []
         self.parts: list[str] = []
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def feed(self, data: bytes) -> None:
-        text = data.decode("utf-8", "replace")
+        self._text(self.decoder.decode(data))
+
+    def _text(self, text: str) -> None:
+        if not text:
+            return
         self.parts.append(text)
-        self.buf += text
-        *lines, self.buf = self.buf.replace("\r\n", "\n").split("\n")
+        if "\n" not in text:
+            self.pending.append(text)
+            return
+        first, *rest = text.split("\n")
+        lines = ["".join([*self.pending, first]), *rest[:-1]]
+        self.pending = [rest[-1]] if rest[-1] else []
         for line in lines:
-            self.on_line(line)
+            self.on_line(line.removesuffix("\r"))
 
     def finish(self) -> str:
-        if self.buf:
-            self.on_line(self.buf)
-        return "".join(self.parts)
+        self._text(self.decoder.decode(b"", final=True))
+        if self.pending:
+            self.on_line("".join(self.pending))
+            self.pending = []
+        return "".join(self.parts).replace("\r\n", "\n")
 
 
 def _deadline_s(timeout: float | None) -> float | None:

@@ -28,7 +28,7 @@ from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 from fleetcuda import __version__, fingerprint, framing, transfer
 from fleetcuda.command import BuiltCommand, Invocation, build, quote, stop_invocation
 from fleetcuda.connector import RunResult, TransportPool
-from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
+from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
 from fleetcuda.inventory import Target
 from fleetcuda.locks import LOCK_REFRESH_S, LOCK_STALE_S, TargetLock, lock_state, owner_is_dead
 from fleetcuda.planner import (
@@ -47,7 +47,7 @@ from fleetcuda.planner import (
     vmid_of,
 )
 from fleetcuda.recipe import Recipe
-from fleetcuda.redact import Redactor
+from fleetcuda.redact import Redactor, printable
 from fleetcuda.report import Reporter
 from fleetcuda.results import StepResult as StepResult
 from fleetcuda.results import StepStatus, TargetStatus
@@ -86,13 +86,19 @@ def state_dir() -> Path:
 
 
 def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
-    runs = (root or state_dir()) / "runs"
-    runs.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(runs.parent, 0o700)
-    os.chmod(runs, 0o700)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = runs / f"{stamp}-{mode}-{recipe}-{os.getpid()}"
-    path.mkdir(mode=0o700)
+    base = root or state_dir()
+    runs = base / "runs"
+    try:
+        runs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(runs.parent, 0o700)
+        os.chmod(runs, 0o700)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        path = runs / f"{stamp}-{mode}-{recipe}-{os.getpid()}"
+        path.mkdir(mode=0o700)
+    except OSError as exc:
+        where = "FLEETCUDA_STATE_DIR" if os.environ.get("FLEETCUDA_STATE_DIR") else "state directory"
+        raise InputError(where, None, str(base), f"cannot make the run directory there: {exc.strerror or exc}; "
+                         "set FLEETCUDA_STATE_DIR to a directory of yours") from None
     return path
 
 
@@ -289,7 +295,7 @@ class Engine:
             log.write(f"# result: {result.status}{' - ' + result.error if result.error else ''}\n")
 
     def _redact(self, target: Target, text: str) -> str:
-        return self._redactors.get(target.id, _NO_SECRETS)(text)
+        return printable(self._redactors.get(target.id, _NO_SECRETS)(text))
 
     def _redacted(self, target: Target, sr: StepResult, expect: str) -> StepResult:
         """Everything a result carries into reports and history, with the target's secrets masked."""
@@ -702,7 +708,7 @@ class Engine:
     def _exec_always(self, target: Target, step: str, phase: str, cmd: BuiltCommand, log: IO[str]) -> RunResult:
         """Cleanup that must run even after Ctrl-C (it is short and bounded)."""
         log.write(f"\n## {_now()} {step} {phase}\n$ {cmd.display}\n")
-        res = self.pool.get(target.host).run(cmd, timeout=60, on_line=lambda line: log.write(line + "\n"))
+        res = self.pool.get(target.host).run(cmd, timeout=60, on_line=lambda line: log.write(printable(line) + "\n"))
         log.write(f"## exit {res.rc} after {res.duration:.2f}s\n")
         return res
 
@@ -710,7 +716,11 @@ class Engine:
               timeout: float | None) -> RunResult:
         if self.cancel.is_set():
             raise Interrupted()
-        redact = self._redactors.get(target.id, _NO_SECRETS)
+        redactor = self._redactors.get(target.id, _NO_SECRETS)
+
+        def redact(text: str) -> str:  # what a target said, as it may be shown and stored
+            return printable(redactor(text))
+
         self.reporter.step_started(target.id, step, phase)
         log.write(f"\n## {_now()} {step} {phase}\n$ {redact(cmd.display)}\n")
 

@@ -5,6 +5,7 @@ Dry-run prints exactly these commands; apply, --check and verify send exactly th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -24,7 +25,7 @@ from fleetcuda.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.recipe import AUTO, Recipe, check_fact_value
 from fleetcuda.redact import MIN_SECRET, SECRET_NAME
 from fleetcuda.steps import Scripts, StepContext, StepSpec
-from fleetcuda.templating import TemplateError, render, render_shell
+from fleetcuda.templating import TemplateError, render, render_shell, scrub
 
 __all__ = ["LOCK_STALE_S", "TargetLock"]
 
@@ -126,6 +127,14 @@ class Secrets:
             return True
         return any(s in value for s in self.values)
 
+    def pieces(self) -> list[str]:
+        """The secrets, and the parts of them that quoting leaves verbatim in a script (between quotes,
+        on one line), long enough to be worth hiding."""
+        out = set(self.values)
+        for value in self.values:
+            out.update(p for p in re.split(r"['\r\n]", value) if len(p) >= MIN_SECRET)
+        return sorted(out, key=len, reverse=True)
+
     def add(self, value: str) -> None:
         if len(value) >= MIN_SECRET:
             self.values.add(value)
@@ -135,6 +144,9 @@ def invocation(script: str, env: Mapping[str, str], shell_vars: Mapping[str, str
                secrets: Secrets, *, timeout: int | None, label: str) -> Invocation:
     """An Invocation whose secret values (in the environment or in {{ }} variables) travel on stdin."""
     public_env, secret_env, public_vars, secret_vars = {}, {}, {}, {}
+    # A secret a step kind put into the script's text (a token in an index URL): a variable read from stdin.
+    script, spliced = scrub(script, secrets.pieces())
+    secret_vars.update(spliced)
     for k, v in env.items():
         (secret_env if secrets.is_secret(k, v) else public_env)[k] = v
     for k, v in shell_vars.items():
@@ -269,6 +281,7 @@ def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: Target
                      '[ "$rc" = 0 ] || all_ok=0')
     if lock is not None:
         lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan), nonce)}\nfi')
+    lines.append(framing.frame(nonce, "done", str(len(probes))))
     total = sum(p.timeout or 0 for _, p in probes) + 30 + (lock.wait_s if lock else 0)
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
     return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total,
@@ -283,16 +296,22 @@ class BatchResult:
 
 
 def parse_batch(output: str, nonce: str) -> dict[int, BatchResult]:
+    """Each check's result, from its own frames. Only a batch that reached its closing `done` frame counts
+    (a check that killed the batch shell, after printing frames into its stdout, gets nothing believed), and
+    a check's result is the last `end` frame of its index: the batch shell prints that one after the check
+    has exited, so anything the check wrote earlier is overridden."""
+    frames = framing.parse(output, nonce)
+    if not frames or frames[-1].kind != "done":
+        return {}
     results: dict[int, BatchResult] = {}
-    current: int | None = None
-    text = ""
-    for f in framing.parse(output, nonce):
+    texts: dict[int, str] = {}
+    for f in frames:
         if f.kind == "begin" and len(f.fields) == 1 and f.fields[0].isdigit():
-            current, text = int(f.fields[0]), f.text
-        elif f.kind == "end" and len(f.fields) == 3 and current is not None and f.fields[0] == str(current):
+            texts[int(f.fields[0])] = f.text
+        elif f.kind == "end" and len(f.fields) == 3 and f.fields[0].isdigit() and int(f.fields[0]) in texts:
+            index = int(f.fields[0])
             rc = int(f.fields[1]) if f.fields[1].isdigit() else 255
-            results[current] = BatchResult(rc, text, int(f.fields[2]) if f.fields[2].isdigit() else 0)
-            current = None
+            results[index] = BatchResult(rc, texts[index], int(f.fields[2]) if f.fields[2].isdigit() else 0)
     return results
 
 

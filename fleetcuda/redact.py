@@ -10,9 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-SECRET_NAME = re.compile(r"(?i)(pass(word|wd|phrase)?|secret|token|api_?key|credential|private_?key|auth)")
+SECRET_NAME = re.compile(r"(?i)(pass(word|wd|phrase)?|secret|token|api_?key|credential|private_?key|auth"
+                         r"|(^|_)keys?(_|$))")  # hf_key, ACCESS_KEY, key_file; not keyring_deb
 # scheme://user:password@host -> scheme://user:***@host
-URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/\s:@'\"]+):(?P<pw>[^/\s@'\"]+)@")
+# Bounded repetitions: on one long line of letters an unbounded scheme is tried from every offset (quadratic).
+URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)(?P<user>[^/\s:@'\"]{1,256}):"
+                             r"(?P<pw>[^/\s@'\"]{1,1024})@")
 MASK = "***"
 MIN_SECRET = 4  # shorter values would blank out ordinary text
 
@@ -40,3 +43,13 @@ class Redactor:
 
 def for_variables(*maps: Mapping[str, str]) -> Redactor:
     return Redactor(s for m in maps for s in secret_values(m))
+
+
+# C0 controls but tab and newline, DEL, C1 controls: what would drive a terminal (colours, titles, clearing).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Text from a target, made safe to show: control characters as visible escapes (`\\x1b`), so output
+    printed on a terminal, in a log read with `cat` or in a report can never drive the terminal."""
+    return _CONTROL.sub(lambda m: "\\r" if m.group() == "\r" else f"\\x{ord(m.group()):02x}", text)

@@ -30,6 +30,11 @@ FILTERS: dict[str, Callable[[str], str]] = {
     "major": lambda v: v.split(".")[0],
 }
 _INTEGER = re.compile(r"-?[0-9]+\Z")
+# bash evaluates `name[subscript]` as arithmetic, and expands the subscript, wherever a value is used as
+# a number or as a variable's name (`declare -i v; v=$x`, `[ -v "$x" ]`, `printf -v "$x"`, `read "$x"`,
+# `(( ))` written without a space ...), and no scanner can find every such place: a value with a
+# subscript that holds a command (`a[$(cmd)]`, backticks, `<(...)`) is refused wherever it would go.
+_SUBSCRIPT_COMMAND = re.compile(r"\[.*(\$\(|`|<\(|>\()", re.S)
 
 
 class TemplateError(ValueError):
@@ -91,6 +96,9 @@ def render_shell(text: str, values: Mapping[str, str]) -> RenderedShell:
             continue
         if ctx in _REFUSED:
             raise TemplateError(f"{ref} {_REFUSED[ctx]}")
+        if _SUBSCRIPT_COMMAND.search(value):
+            raise TemplateError(f"{ref} is {value[:40]!r}: a value with a command inside [ ] is refused in shell "
+                                "text, since bash runs it wherever it reads the value as a number or a name")
         if ctx in ("arith", "arithline", "subscript"):
             if not _INTEGER.match(value):
                 raise TemplateError(f"{ref} is in arithmetic, where only an integer is safe (it is {value[:40]!r})")
@@ -124,7 +132,44 @@ _ARITH_COMMAND = re.compile(r"(let|(declare|typeset|local|readonly|export)\s+(-[
 _SUBSCRIPT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\[")
 
 
-def scan(text: str) -> list[tuple[re.Match[str], str]]:
+_PLACEHOLDER = re.compile("\x00([0-9]+)\x00")
+
+
+def scrub(script: str, secrets: list[str]) -> tuple[str, dict[str, str]]:
+    """`script` with every verbatim occurrence of a secret value replaced by a reference to a variable that
+    holds it (`fcx_N`, which the caller sets from stdin), so the script can go on a command line. Expanding
+    the reference gives back the very same text, so the script means what it meant; a value inside a
+    single-quoted word (as the step kinds quote their fields) is spliced in by leaving and re-entering the
+    quotes. Where the shell expands nothing that way (a quoted heredoc, $'...'), the text stays."""
+    found: dict[str, str] = {}
+    marked = script
+    for value in sorted(set(secrets), key=len, reverse=True):
+        if value and value in marked and "\x00" not in value:
+            index = len(found)
+            found[f"fcx_{index}"] = value
+            marked = marked.replace(value, f"\x00{index}\x00")
+    if not found:
+        return script, {}
+    out, pos, used = [], 0, {}
+    for m, ctx in scan(marked, _PLACEHOLDER):
+        var = f"fcx_{m.group(1)}"
+        out.append(marked[pos:m.start()])
+        pos = m.end()
+        if ctx in ("top", "cmdsub", "bq", "dbracket"):
+            out.append(f'"${{{var}}}"')
+        elif ctx in ("dq", "heredoc", "comment"):
+            out.append(f"${{{var}}}")
+        elif ctx == "sq":
+            out.append(f"'\"${{{var}}}\"'")
+        else:
+            out.append(found[var])
+            continue
+        used[var] = found[var]
+    out.append(marked[pos:])
+    return "".join(out), used
+
+
+def scan(text: str, ref: re.Pattern[str] = _REF) -> list[tuple[re.Match[str], str]]:
     """Each `{{ }}` of a bash script with the quoting context it stands in: top (unquoted), dq, sq,
     ansic, bq (backticks), cmdsub, arith, param, dbracket, comment, heredoc, heredoc_q."""
     found: list[tuple[re.Match[str], str]] = []
@@ -137,7 +182,7 @@ def scan(text: str) -> list[tuple[re.Match[str], str]]:
 
     while i < n:
         ctx = stack[-1][0]
-        m = _REF.match(text, i)
+        m = ref.match(text, i)
         if m:
             found.append((m, ctx))
             i = m.end()
@@ -256,10 +301,12 @@ def scan(text: str) -> list[tuple[re.Match[str], str]]:
                 else:
                     stack[-1][1] -= 1
                 i += 1
-            elif two == "<<" and text[i + 2:i + 3] != "<":
+            elif text.startswith("<<<", i):
+                i += 3  # a here-string: its word is ordinary shell text
+            elif two == "<<":
                 i = _heredoc_operator(text, i + 2, heredocs)
             elif c == "\n" and heredocs:
-                i = _heredoc_bodies(text, i + 1, heredocs, found)
+                i = _heredoc_bodies(text, i + 1, heredocs, found, ref)
             else:
                 i = _open_expansion(text, i, stack)
     return found
@@ -304,7 +351,7 @@ def _heredoc_operator(text: str, i: int, heredocs: list[tuple[str, bool, bool]])
 
 
 def _heredoc_bodies(text: str, i: int, heredocs: list[tuple[str, bool, bool]],
-                    found: list[tuple[re.Match[str], str]]) -> int:
+                    found: list[tuple[re.Match[str], str]], ref: re.Pattern[str] = _REF) -> int:
     """Read the bodies of the heredocs opened on the line that just ended; return where code resumes."""
     for delim, strip, quoted in heredocs:
         while i < len(text):
@@ -314,7 +361,7 @@ def _heredoc_bodies(text: str, i: int, heredocs: list[tuple[str, bool, bool]],
             if (line.lstrip("\t") if strip else line) == delim:
                 i = end + 1
                 break
-            for m in _REF.finditer(text, i, end):
+            for m in ref.finditer(text, i, end):
                 found.append((m, "heredoc_q" if quoted else "heredoc"))
             i = end + 1
     heredocs.clear()

@@ -52,8 +52,10 @@ def examples(ci: int) -> int:
     return int(os.environ.get("FLEETCUDA_FUZZ_EXAMPLES") or ci)
 
 
-# derandomize: CI runs the same examples every time (and a failure found there reproduces locally).
-FUZZ = settings(deadline=None, max_examples=examples(120), derandomize=True, database=None,
+# derandomize: CI runs the same examples every time (and a failure found there reproduces locally);
+# FLEETCUDA_FUZZ_RANDOM=1 draws new ones, for a long local run.
+DERANDOMIZE = not os.environ.get("FLEETCUDA_FUZZ_RANDOM")
+FUZZ = settings(deadline=None, max_examples=examples(120), derandomize=DERANDOMIZE, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
@@ -432,7 +434,7 @@ def test_alias_bombs_are_refused_quickly(tmp_path: Path, kind: str, bomb: str) -
         assert err is not None
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=15)
+@settings(deadline=None, derandomize=DERANDOMIZE, database=None, max_examples=15)
 @given(width=st.integers(2, 40), depth=st.integers(2, 12), kind=KINDS)
 def test_any_alias_bomb_is_bounded(width: int, depth: int, kind: str) -> None:
     lines = ["a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
@@ -488,7 +490,7 @@ def _refused(kind: str) -> Callable[[str], bool]:
     return lambda text: fuzz_file(kind, text) is not None
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=3,
+@settings(deadline=None, derandomize=DERANDOMIZE, database=None, max_examples=3,
           suppress_health_check=list(HealthCheck))
 @given(kind=KINDS, data=st.data())
 def test_cli_refuses_generated_bad_files(kind: str, data: st.DataObject) -> None:
@@ -498,7 +500,7 @@ def test_cli_refuses_generated_bad_files(kind: str, data: st.DataObject) -> None
         assert_cli_refuses(Path(tmp), kind, text.encode())
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=2,
+@settings(deadline=None, derandomize=DERANDOMIZE, database=None, max_examples=2,
           suppress_health_check=list(HealthCheck))
 @given(raw=st.binary(min_size=1, max_size=50).map(lambda b: b"hosts:\n  \xff" + b))
 def test_cli_refuses_a_file_that_is_not_utf8(raw: bytes) -> None:
@@ -541,7 +543,7 @@ def _inventory_with(where: str, name: str) -> tuple[dict[str, Any], str]:
     return doc, f"hosts.h.containers.200.vars.{shown}"
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=examples(120))
+@settings(deadline=None, derandomize=DERANDOMIZE, database=None, max_examples=examples(120))
 @given(where=st.sampled_from(["host", "container", "group", "child", "jump", "inventory-var", "group-var",
                               "host-var", "container-var"]), name=BAD_NAME)
 @example(where="host", name="a;rm -rf /")
@@ -560,7 +562,7 @@ PAYLOADS = ["$(touch {p})", "`touch {p}`", "; touch {p}", "| touch {p}", "& touc
             "\\'; touch {p} #", "${{IFS}}; touch {p}", "$'\\x3b' touch {p}", "*; touch {p}", "{p}\r\ntouch {p}"]
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=40)
+@settings(deadline=None, derandomize=DERANDOMIZE, database=None, max_examples=40)
 @given(payload=st.sampled_from(PAYLOADS), before=st.text("a $`';|&\"\\\n!*", max_size=4),
        after=st.text("z $`';|&\"\\\n!*", max_size=4))
 @example(payload="$(touch {p})", before="", after="")
@@ -608,7 +610,7 @@ ARGV_EXAMPLES = examples(250)
 BATCH = 20
 LOADER_BATCHES = int(os.environ.get("FLEETCUDA_FUZZ_BATCHES") or 280)
 ARGV_BATCHES = int(os.environ.get("FLEETCUDA_FUZZ_BATCHES") or 160)
-SCALE = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+SCALE = settings(deadline=None, derandomize=DERANDOMIZE, database=None, suppress_health_check=list(HealthCheck))
 COUNTS: dict[str, int] = {}
 
 
@@ -778,7 +780,10 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
     def refuse(*args: object, **kwargs: object) -> None:
         raise _NoNetwork(f"the argv fuzz tried to connect: {args!r}")
 
-    monkeypatch.setattr(cli, "SshTransport", refuse)
+    from fleetcuda import transport
+
+    monkeypatch.setattr(transport, "SshTransport", refuse)  # the CLI imports it from here when a host needs it
+    monkeypatch.setattr(cli, "SshTransport", refuse, raising=False)
 
     def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
         # Stand-in for engine.make_run_dir, which (1) names a run's directory by the second and the pid, so two

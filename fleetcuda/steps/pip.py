@@ -85,16 +85,17 @@ class PipInstallStep(StepSpec):
 
         uv = ctx.raw(self.uv) if self.uv else ctx.values.get("uv", "")
         common_uv, common_pip = [], []
-        for opt, uv_flag, pip_flag in [
-            (self.index_url, "--index-url", "--index-url"),
-            (self.extra_index_url, "--extra-index-url", "--extra-index-url"),
-            (self.find_links, "--find-links", "--find-links"),
-        ]:
-            if opt:
-                value = ctx.raw(opt)
-                if value:
-                    common_uv += [uv_flag, value]
-                    common_pip += [pip_flag, value]
+        # Indexes go in the installer's environment, not its argv: an index URL often carries a token,
+        # and argv is readable by anyone on the target (`ps`).
+        env_uv, env_pip = [], []
+        for opt, uv_var, pip_var in [(self.index_url, "UV_INDEX_URL", "PIP_INDEX_URL"),
+                                     (self.extra_index_url, "UV_EXTRA_INDEX_URL", "PIP_EXTRA_INDEX_URL")]:
+            if opt and (value := ctx.raw(opt)):
+                env_uv.append(f"{uv_var}={quote(value)}")
+                env_pip.append(f"{pip_var}={quote(value)}")
+        if self.find_links and (value := ctx.raw(self.find_links)):
+            common_uv += ["--find-links", value]
+            common_pip += ["--find-links", value]
         for flag, uv_flag, pip_flag in [
             (truthy(ctx.raw(self.no_index)) if isinstance(self.no_index, str) else self.no_index,
              "--no-index", "--no-index"),
@@ -112,11 +113,12 @@ class PipInstallStep(StepSpec):
         # Reinstall only the named packages (a broken or stale build must be rebuilt), never their
         # dependencies: a forced reinstall of torch would be a disaster.
         reinstall_uv = [a for n in names for a in ("--reinstall-package", n)]
-        uv_cmd = ['"$uv"', *map(quote, ["pip", "install", "--python", python, *reinstall_uv, *common_uv, *specs])]
+        uv_cmd = [*env_uv, '"$uv"',
+                  *map(quote, ["pip", "install", "--python", python, *reinstall_uv, *common_uv, *specs])]
         pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *common_pip]
-        pip_cmds = [" ".join(map(quote, [*pip, "--force-reinstall", "--no-deps", *specs]))]
+        pip_cmds = [" ".join([*env_pip, *map(quote, [*pip, "--force-reinstall", "--no-deps", *specs])])]
         if not self.no_deps:
-            pip_cmds.append(" ".join(map(quote, [*pip, *specs])))
+            pip_cmds.append(" ".join([*env_pip, *map(quote, [*pip, *specs])]))
         apply = "\n".join([
             "set -e -o pipefail",
             f"uv={quote(uv)}",

@@ -125,8 +125,7 @@ class SdistBuildStep(StepSpec):
         no_index = truthy(ctx.raw(self.no_index)) if isinstance(self.no_index, str) else self.no_index
         download = [python, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "--no-deps",
                     "--no-binary", ":all:", "--no-build-isolation", "-d", '"$work/dl"']
-        if index_url:
-            download += ["--index-url", index_url]
+        index_env = f"PIP_INDEX_URL={quote(index_url)} " if index_url else ""  # not in argv: it may hold a token
         if find_links:
             download += ["--find-links", find_links]
         if no_index:
@@ -143,7 +142,7 @@ class SdistBuildStep(StepSpec):
             *([f"for f in {quote(find_links)}/{stem}-{version}.tar.gz {quote(find_links)}/{self.package}-{version}"
                '.tar.gz; do [ -f "$f" ] && sdist=$f && break; done'] if find_links else []),
             'if [ -z "$sdist" ]; then',
-            "  " + " ".join(a if a.startswith('"') else quote(a) for a in download) + " " + quote(spec),
+            "  " + index_env + " ".join(a if a.startswith('"') else quote(a) for a in download) + " " + quote(spec),
             '  sdist=$(ls "$work"/dl/*.tar.gz | head -n 1)',
             "fi",
             'echo "fleetcuda: building $(basename "$sdist")"',
