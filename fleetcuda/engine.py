@@ -197,7 +197,7 @@ class Engine:
                 plan = self._plans.get(tid)
                 if plan is None:
                     continue
-                cmd = lock_command(plan, self.lock.refresh(vmid_of(plan), plan.nonce))
+                cmd = lock_command(plan, self.lock.refresh(vmid_of(plan)))
                 try:
                     self.pool.get(plan.target.host).run(cmd, timeout=60, on_line=lambda line: None)
                 except Exception:  # the next refresh tries again; a lost host fails its own step
@@ -226,7 +226,7 @@ class Engine:
         if plan is None or self.lock is None:
             return
         try:
-            res = self.pool.get(target.host).run(lock_command(plan, self.lock.release(vmid_of(plan), plan.nonce)),
+            res = self.pool.get(target.host).run(lock_command(plan, self.lock.release(vmid_of(plan))),
                                                  timeout=60, on_line=lambda line: None)
             if self._lock_word(plan, res) == "released":
                 self._held.discard(target.id)
@@ -352,7 +352,7 @@ class Engine:
                   for p in [s.verify_probe if verify else s.pre_probe] if p is not None]
         if len(probes) < 2:
             if lock is not None:
-                cmd = lock_command(plan, lock.acquire(vmid_of(plan), plan.nonce))
+                cmd = lock_command(plan, lock.acquire(vmid_of(plan)))
                 res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
                 if self._took_over_dead_lock(plan, res, log):
                     res = self._exec(plan.target, "lock", "acquire", cmd, log, None)
@@ -384,7 +384,7 @@ class Engine:
         owner = " ".join(fields[1:])
         if not owner_is_dead(owner):
             return False
-        cmd = lock_command(plan, self.lock.take_over(vmid_of(plan), owner, plan.nonce))
+        cmd = lock_command(plan, self.lock.take_over(vmid_of(plan), owner))
         done = self._exec(plan.target, "lock", "take-over", cmd, log, None)
         return self._lock_word(plan, done) == "taken-over"
 
@@ -410,7 +410,7 @@ class Engine:
             return
         try:
             res = self._exec_always(target, "lock", "release",
-                                    lock_command(plan, self.lock.release(vmid_of(plan), plan.nonce)), log)
+                                    lock_command(plan, self.lock.release(vmid_of(plan))), log)
             if self._lock_word(plan, res) == "released":
                 self._held.discard(target.id)
         except (FleetcudaError, OSError) as exc:

@@ -22,13 +22,24 @@ def new_nonce() -> str:
     return secrets.token_hex(8)
 
 
-def frame(nonce: str, kind: str, *fields: str) -> str:
+# The shell variable that holds the nonce in the scripts that print frames. It is set from stdin (see
+# command.Invocation's secret_vars), so the nonce is on no command line a check could read it from.
+NONCE_VAR = "fcn"
+NONCE_REF = "${" + NONCE_VAR + "}"
+
+
+def frame(kind: str, *fields: str) -> str:
     """Shell code that prints one frame line. `fields` are fleetcuda's own shell words, expanded inside
     double quotes (`$rc`, `$(( ... ))`). The line starts with a newline of its own, so a payload without a
     final newline cannot swallow it."""
+    return f"printf '\\n%s\\n' \"{' '.join([f'{MARK}:{NONCE_REF}', kind, *fields])}\""
+
+
+def nonce_vars(nonce: str) -> dict[str, str]:
+    """The secret variables a framed script needs (the nonce, read from stdin)."""
     if not _NONCE.match(nonce):
         raise ValueError(f"bad frame nonce {nonce!r}")
-    return f"printf '\\n%s\\n' \"{' '.join([f'{MARK}:{nonce}', kind, *fields])}\""
+    return {NONCE_VAR: nonce}
 
 
 @dataclass

@@ -154,7 +154,13 @@ class Inventory:
         if not limit:
             return list(self.targets)
         include = [p for p in (s.strip() for s in limit.split(",")) if p and not p.startswith("!")]
-        exclude = [p[1:] for p in (s.strip() for s in limit.split(",")) if p.startswith("!")]
+        exclude = [p[1:].strip() for p in (s.strip() for s in limit.split(",")) if p.startswith("!")]
+        # Every pattern must name something, exclusions too: a misspelt `!host` would otherwise mean "all".
+        for pattern in exclude:
+            if not pattern:
+                raise InputError("--limit", None, repr(limit), "`!` must be followed by what to exclude")
+            if not any(self._matches(t, pattern) for t in self.targets):
+                raise InputError("--limit", None, "", f"exclusion !{pattern} matches no target in {self.path}")
         chosen = list(self.targets) if not include else []
         for pattern in include:
             matched = [t for t in self.targets if self._matches(t, pattern)]
@@ -162,6 +168,8 @@ class Inventory:
                 raise InputError("--limit", None, "", f"pattern {pattern!r} matches no target in {self.path}")
             chosen += [t for t in matched if t not in chosen]
         chosen = [t for t in chosen if not any(self._matches(t, p) for p in exclude)]
+        if not chosen:
+            raise InputError("--limit", None, repr(limit), "selects no target (its exclusions remove every one)")
         order = {t.id: i for i, t in enumerate(self.targets)}
         return sorted(chosen, key=lambda t: order[t.id])
 

@@ -75,11 +75,11 @@ class TargetLock:
         # Named after the vmid, which is what identifies the container whatever the inventory calls it.
         return f"fleetcuda-apply-{vmid}" if vmid is not None else "fleetcuda-apply"
 
-    def acquire(self, vmid: int | None, nonce: str) -> str:
+    def acquire(self, vmid: int | None) -> str:
         name = self.name(vmid)
 
         def say(*what: str) -> str:
-            return framing.frame(nonce, "lock", *what)
+            return framing.frame("lock", *what)
 
         return "\n".join([
             # A tmpfs (/run/lock, else /run) where there is one: a restart clears what a dead run left.
@@ -107,16 +107,16 @@ class TargetLock:
             say("held"),
         ])
 
-    def release(self, vmid: int | None, nonce: str) -> str:
-        return self._if_owned_by(vmid, self.owner, 'rm -rf "$lockdir"', framing.frame(nonce, "lock", "released"))
+    def release(self, vmid: int | None) -> str:
+        return self._if_owned_by(vmid, self.owner, 'rm -rf "$lockdir"', framing.frame("lock", "released"))
 
-    def refresh(self, vmid: int | None, nonce: str) -> str:
+    def refresh(self, vmid: int | None) -> str:
         """Touch the lock this run holds, so that no other run takes it over as stale."""
-        return self._if_owned_by(vmid, self.owner, 'touch "$lockdir"', framing.frame(nonce, "lock", "refreshed"))
+        return self._if_owned_by(vmid, self.owner, 'touch "$lockdir"', framing.frame("lock", "refreshed"))
 
-    def take_over(self, vmid: int | None, dead_owner: str, nonce: str) -> str:
+    def take_over(self, vmid: int | None, dead_owner: str) -> str:
         """Remove a lock whose owner is known to be dead (a run on this machine that no longer exists)."""
-        return self._if_owned_by(vmid, dead_owner, 'rm -rf "$lockdir"', framing.frame(nonce, "lock", "taken-over"))
+        return self._if_owned_by(vmid, dead_owner, 'rm -rf "$lockdir"', framing.frame("lock", "taken-over"))
 
     def _if_owned_by(self, vmid: int | None, owner: str, action: str, said: str) -> str:
         name = self.name(vmid)

@@ -25,7 +25,7 @@ from fleetcuda.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.recipe import AUTO, Recipe, check_fact_value
 from fleetcuda.redact import MIN_SECRET, SECRET_NAME
 from fleetcuda.steps import Scripts, StepContext, StepSpec
-from fleetcuda.templating import TemplateError, render, render_shell, scrub
+from fleetcuda.templating import FILTERS, TemplateError, check_value, render, render_shell, scrub
 
 __all__ = ["LOCK_STALE_S", "TargetLock"]
 
@@ -120,6 +120,8 @@ class Secrets:
         for k, v in [*recipe.env.items(), *((k, v) for st in recipe.steps for k, v in st.env.items())]:
             if SECRET_NAME.search(k) and isinstance(v, str) and len(v) >= MIN_SECRET and "{{" not in v:
                 self.values.add(v)  # a literal secret in an `env:`
+        for value in list(self.values):  # what `{{ x | dashed }}` makes of a secret is one too
+            self.values.update(f(value) for f in FILTERS.values() if len(f(value)) >= MIN_SECRET)
 
     def is_secret(self, name: str, value: str) -> bool:
         if SECRET_NAME.search(name) or name in self.names:
@@ -168,11 +170,11 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
         shell_vars.update(body.vars)
         sources.update(body.names)
         # stderr stays out of the value: a library's warning must not become a version number.
-        parts.append(f"{framing.frame(nonce, 'fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -n 1 "
+        parts.append(f"{framing.frame('fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -n 1 "
                      f"| {framing.PAYLOAD}")
     inv = invocation("\n".join(parts), base_env(target, home), shell_vars, sources, Secrets(recipe, values),
                      timeout=120, label=internal_label("facts", run_id))
-    return build(target.chain, inv)
+    return build(target.chain, replace(inv, secret_vars={**framing.nonce_vars(nonce), **inv.secret_vars}))
 
 
 def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:
@@ -190,6 +192,8 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
                 run_id=run_id, nonce=nonce or framing.new_nonce())
     secrets = Secrets(recipe, values)
     recipe_env = {k: _render(recipe, ("env", k), v, values, shell=False) for k, v in recipe.env.items()}
+    for k, v in recipe_env.items():
+        _check(recipe, ("env", k), f"env {k}", v)
     env = {**base_env(target, home), **recipe_env}
     exports: dict[str, str] = {}
     prepend: list[str] = []
@@ -213,6 +217,8 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
             raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
         step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values, shell=False)
                     for k, v in step.env.items()}
+        for k, v in [*step_env.items(), *scripts.exports.items()]:
+            _check(recipe, recipe.step_loc(i, "env") + (k,), f"env {k}", v)
         exports.update(scripts.exports)
         prepend = scripts.path_prepend + [p for p in prepend if p not in scripts.path_prepend]
         full_env = {**env, **exports, **step_env}
@@ -248,7 +254,8 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
 
 def lock_command(plan: Plan, script: str) -> BuiltCommand:
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(plan.target.chain, Invocation(script, env, timeout=3600, label=internal_label("lock", plan.run_id)))
+    return build(plan.target.chain, Invocation(script, env, timeout=3600, label=internal_label("lock", plan.run_id),
+                                               secret_vars=framing.nonce_vars(plan.nonce)))
 
 
 def vmid_of(plan: Plan) -> int | None:
@@ -259,11 +266,10 @@ def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: Target
     """One round trip for many read-only checks: each runs exactly as on its own (same env -i argv,
     same timeout), its output framed (see framing), so no check can forge another's result or its own.
     With a lock, it is taken first; and if every check passed (nothing to apply), released at once."""
-    nonce = plan.nonce
     lines = ["set +e", "now() { date +%s%3N; }", "all_ok=1"]
     if lock is not None:
-        lines.append(lock.acquire(vmid_of(plan), nonce))
-    secret_vars: dict[str, str] = {}
+        lines.append(lock.acquire(vmid_of(plan)))
+    secret_vars: dict[str, str] = framing.nonce_vars(plan.nonce)
     for index, probe in probes:
         feed = "</dev/null"
         if probe.stdin:
@@ -271,17 +277,17 @@ def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: Target
             # is a builtin, so they are on no command line.
             names = []
             for value in [*probe.secret_vars.values(), *probe.secret_env.values()]:
-                name = f"fcs_{len(secret_vars)}"
+                name = f"fcs_{len(secret_vars) - 1}"
                 secret_vars[name] = value
                 names.append(f'"${name}"')
             feed = f"< <(printf '%s\\0' {' '.join(names)})"
-        lines.append(f"{framing.frame(nonce, 'begin', str(index))}; t=$(now)")
+        lines.append(f"{framing.frame('begin', str(index))}; t=$(now)")
         lines.append(f"{join(target_argv(probe))} {feed} 2>&1 | {framing.PAYLOAD}; rc=${{PIPESTATUS[0]}}")
-        lines.append(f"{framing.frame(nonce, 'end', str(index), '$rc', '$(( $(now) - t ))')}; "
+        lines.append(f"{framing.frame('end', str(index), '$rc', '$(( $(now) - t ))')}; "
                      '[ "$rc" = 0 ] || all_ok=0')
     if lock is not None:
-        lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan), nonce)}\nfi')
-    lines.append(framing.frame(nonce, "done", str(len(probes))))
+        lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan))}\nfi')
+    lines.append(framing.frame("done", str(len(probes))))
     total = sum(p.timeout or 0 for _, p in probes) + 30 + (lock.wait_s if lock else 0)
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
     return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total,
@@ -324,6 +330,13 @@ def _or_satisfied(scripts: Scripts, condition: str) -> Scripts:
         return guard + script if script is not None else None
 
     return replace(scripts, check=wrap(scripts.check), verify=wrap(scripts.verify))
+
+
+def _check(recipe: Recipe, loc: tuple, what: str, value: str) -> None:
+    try:
+        check_value(what, value)
+    except TemplateError as exc:
+        raise recipe.source.error(loc, str(exc)) from None
 
 
 def _render(recipe: Recipe, loc: tuple, text: str, values: dict[str, str], *, shell: bool) -> str:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 SECRET_NAME = re.compile(r"(?i)(pass(word|wd|phrase)?|secret|token|api_?key|credential|private_?key|auth"
-                         r"|(^|_)keys?(_|$))")  # hf_key, ACCESS_KEY, key_file; not keyring_deb
+                         r"|(^|_)keys?(_|$)|(^|_)pwd_|_pwd($|_))")  # hf_key, ACCESS_KEY, db_pwd; not keyring_deb, PWD
 # scheme://user:password@host -> scheme://user:***@host
 # Bounded repetitions: on one long line of letters an unbounded scheme is tried from every offset (quadratic).
 URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)(?P<user>[^/\s:@'\"]{1,256}):"
@@ -46,10 +46,15 @@ def for_variables(*maps: Mapping[str, str]) -> Redactor:
 
 
 # C0 controls but tab and newline, DEL, C1 controls: what would drive a terminal (colours, titles, clearing).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# And Unicode's invisible format characters (bidi overrides, zero-width ones), which reorder or hide text.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
 
 
 def printable(text: str) -> str:
     """Text from a target, made safe to show: control characters as visible escapes (`\\x1b`), so output
     printed on a terminal, in a log read with `cat` or in a report can never drive the terminal."""
-    return _CONTROL.sub(lambda m: "\\r" if m.group() == "\r" else f"\\x{ord(m.group()):02x}", text)
+    def escape(m: re.Match[str]) -> str:
+        c = m.group()
+        return "\\r" if c == "\r" else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+    return _CONTROL.sub(escape, text)

@@ -82,6 +82,13 @@ class RenderedShell:
         return "".join(f"{v}={quote(val)}\n" for v, val in self.vars.items() if self.names[v] not in secret)
 
 
+def check_value(what: str, value: str) -> None:
+    """A value that reaches a target's shell or environment: never one bash would run as a subscript."""
+    if _SUBSCRIPT_COMMAND.search(value):
+        raise TemplateError(f"{what} is {value[:40]!r}: a value with a command inside [ ] is refused, since bash "
+                            "runs it wherever it reads the value as a number or a variable's name")
+
+
 def render_shell(text: str, values: Mapping[str, str]) -> RenderedShell:
     out: list[str] = []
     pos = 0
@@ -94,12 +101,13 @@ def render_shell(text: str, values: Mapping[str, str]) -> RenderedShell:
         if ctx == "comment":
             out.append(ref)
             continue
+        if ctx == "codeline":
+            raise TemplateError(f"{ref} is in a string bash runs as code later (eval, trap, alias, a shell's -c, a "
+                                "prompt): pass it in the step's env: and refer to the variable there")
         if ctx in _REFUSED:
             raise TemplateError(f"{ref} {_REFUSED[ctx]}")
-        if _SUBSCRIPT_COMMAND.search(value):
-            raise TemplateError(f"{ref} is {value[:40]!r}: a value with a command inside [ ] is refused in shell "
-                                "text, since bash runs it wherever it reads the value as a number or a name")
-        if ctx in ("arith", "arithline", "subscript"):
+        check_value(ref, value)
+        if ctx in _ARITH_CONTEXTS:
             if not _INTEGER.match(value):
                 raise TemplateError(f"{ref} is in arithmetic, where only an integer is safe (it is {value[:40]!r})")
             out.append(value)
@@ -130,6 +138,13 @@ _WORD_BREAK = set(" \t\n;&|()<>")
 # of a word (an array subscript, arithmetic too): there a value is an integer or refused.
 _ARITH_COMMAND = re.compile(r"(let|(declare|typeset|local|readonly|export)\s+(-[A-Za-z]*\s+)*-[A-Za-z]*i[A-Za-z]*)\s")
 _SUBSCRIPT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\[")
+# Commands and variables whose string bash runs as code later (eval, trap, alias, mapfile's callback, a
+# shell's -c, the prompts): a value inside them, quoted or not, would be code.
+_CODE_COMMAND = re.compile(
+    r"((?:(?:sudo|env|nohup|exec|command|nice|setsid|timeout\s+\S+)\s+(?:-\S+\s+)*)*"
+    r"(?:eval|trap|alias|(?:mapfile|readarray)\s[^\n;|&]*-C|(?:\S*/)?(?:bash|sh|dash|zsh|ksh|mksh)\s+(?:-[A-Za-z]+\s+)*"
+    r"-[A-Za-z]*c|(?:PS[0-4]|PROMPT_COMMAND|BASH_ENV|ENV)\+?=))")
+_ARITH_CONTEXTS = ("arith", "arithline", "subscript")
 
 
 _PLACEHOLDER = re.compile("\x00([0-9]+)\x00")
@@ -184,7 +199,7 @@ def scan(text: str, ref: re.Pattern[str] = _REF) -> list[tuple[re.Match[str], st
         ctx = stack[-1][0]
         m = ref.match(text, i)
         if m:
-            found.append((m, ctx))
+            found.append((m, _effective(stack)))
             i = m.end()
             continue
         c = text[i]
@@ -233,9 +248,15 @@ def scan(text: str, ref: re.Pattern[str] = _REF) -> list[tuple[re.Match[str], st
                 i += 1
             else:
                 i = _open_expansion(text, i, stack)
-        elif ctx == "arithline":
+        elif ctx in ("arithline", "codeline"):
             if c in "\n;&|":
                 stack.pop()
+            elif c == "'":
+                stack.append(["sq", 0])
+                i += 1
+            elif c == '"':
+                stack.append(["dq", 0])
+                i += 1
             elif c == "\\":
                 i += 2
             else:
@@ -277,6 +298,9 @@ def scan(text: str, ref: re.Pattern[str] = _REF) -> list[tuple[re.Match[str], st
             elif c == "#" and at_word_start(i):
                 stack.append(["comment", 0])
                 i += 1
+            elif at_word_start(i) and (m := _CODE_COMMAND.match(text, i)):
+                stack.append(["codeline", 0])
+                i = m.start() + len(m.group(1))
             elif at_word_start(i) and (m := _ARITH_COMMAND.match(text, i)):
                 stack.append(["arithline", 0])
                 i = m.end()
@@ -310,6 +334,23 @@ def scan(text: str, ref: re.Pattern[str] = _REF) -> list[tuple[re.Match[str], st
             else:
                 i = _open_expansion(text, i, stack)
     return found
+
+
+def _effective(stack: list[list]) -> str:
+    """The context a {{ }} is in: the innermost, unless it lies anywhere within code bash runs later or
+    within arithmetic (quotes inside those change nothing)."""
+    names = [frame[0] for frame in stack]
+    if "codeline" in names:
+        return "codeline"
+    inner = names[-1]
+    if inner in ("comment", "heredoc_q", "sq", "ansic", "param"):
+        return inner
+    for name in reversed(names):
+        if name in _ARITH_CONTEXTS:
+            return name
+        if name in ("cmdsub", "bq"):  # a command substitution starts plain shell again
+            break
+    return inner
 
 
 def _open_expansion(text: str, i: int, stack: list[list]) -> int:

@@ -60,7 +60,11 @@ class SourceDoc:
             if isinstance(part, int) and (prefix in self.sequences or prefix not in self.lines):
                 out += f"[{part}]"
             else:
-                shown = str(part) if str(part).isprintable() else repr(part)  # keep the message on one line
+                text = str(part)
+                # Quoted when it would not read as one segment: empty, `.` or brackets inside (`'2.5'`, `'.nan'`),
+                # or characters that would break the message's line.
+                plain = text and text.isprintable() and not any(c in text for c in ".[]")
+                shown = text if plain else repr(text)
                 out += f".{shown}" if out else shown
             prefix = prefix + (part,)
         return out

@@ -88,13 +88,14 @@ def test_any_status_but_success_is_a_failure(status: str) -> None:
 def _batch_reply(forged_output: str) -> Reply:
     """A target where check `a` passes and check `b` fails after printing `forged_output`."""
     def reply(cmd: BuiltCommand) -> RunResult:
-        script = cmd.argv[-2]
-        nonce = re.search(r"@@fleetcuda:([0-9a-f]+) begin", script)
-        assert nonce, "checks are batched"
-        mark = f"@@fleetcuda:{nonce[1]}"
+        assert "@@fleetcuda:${fcn} begin" in cmd.argv[-2], "checks are batched"
+        nonce = cmd.stdin.split("\0")[0]  # the nonce travels on stdin, never on the command line
+        assert re.fullmatch("[0-9a-f]{16}", nonce) and nonce not in cmd.argv[-2]
+        mark = f"@@fleetcuda:{nonce}"
         # What the target's bash prints: fleetcuda's frames, and each check's output through the payload filter.
-        body = "".join(f"| {line}\n" for line in forged_output.format(nonce=nonce[1]).splitlines())
-        return RunResult(0, f"\n{mark} begin 0\n\n{mark} end 0 0 3\n\n{mark} begin 1\n{body}\n{mark} end 1 1 4\n", 0.1)
+        body = "".join(f"| {line}\n" for line in forged_output.format(nonce=nonce).splitlines())
+        return RunResult(0, f"\n{mark} begin 0\n\n{mark} end 0 0 3\n\n{mark} begin 1\n{body}\n{mark} end 1 1 4\n"
+                            f"\n{mark} done 2\n", 0.1)
     return reply
 
 

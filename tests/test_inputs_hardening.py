@@ -438,3 +438,19 @@ def test_two_runs_in_one_second_get_their_own_run_directories(tmp_path: Path) ->
     first = make_run_dir("verify", "r", root=tmp_path)
     second = make_run_dir("verify", "r", root=tmp_path)
     assert first != second and first.is_dir() and second.is_dir()
+
+
+@pytest.mark.parametrize(("text", "line", "field"), [
+    ("hosts:\n  h0:\n    kind: local\n    containers:\n      ? ''\n      : {}\n", 5, "hosts.h0.containers.''.vmid"),
+    ("hosts:\n  h0:\n    address: h\n    containers:\n      2.5: {}\n", 4, "hosts.h0.containers.'2.5'"),
+    (".nangroups:\n  a: 1\nhosts: {}\n", 1, "'.nangroups'"),
+    ("hosts:\n  gpu1.lab:\n    address: h\n    port: x\n", 4, "hosts.'gpu1.lab'.port"),
+])
+def test_a_key_that_would_not_read_as_one_field_segment_is_quoted(tmp_path: Path, text: str, line: int,
+                                                                   field: str) -> None:
+    """Found by the long loader fuzz: an empty key, or one with a `.`, made the field path ambiguous
+    (`containers..vmid`, `.nangroups`)."""
+    recipe = write(tmp_path, "r.yaml", TRUE_RECIPE)
+    inv = write(tmp_path, "inv.yaml", text)
+    proc = cli(tmp_path, "apply", str(recipe), "-i", str(inv), "--dry-run")
+    assert_input_error(proc, f"fleetcuda: {inv}:{line}: {field}: ")

@@ -348,3 +348,107 @@ def test_redteam2_sigterm_is_not_acted_on_while_a_long_line_is_redacted(tmp_path
         pytest.fail("SIGTERM was not acted on within 12 s (the run is stuck redacting one 400 kB line)")
     # 130 if the signal came while it ran; 0 if one 400 kB line no longer takes it 3 s to get through.
     assert proc.returncode in (0, 130)
+
+
+# Promise 3, against the `done`-frame fix: the check forges the closing frame too, then kills the batch shell,
+# so the forged frames are the last ones and the batch "reached" its end.
+def test_redteam2_batched_check_forges_results_and_the_done_frame(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, """\
+        name: r
+        steps:
+          - name: evil
+            verify: |
+              b=$(ps -o ppid= -p $PPID | tr -d ' ')
+              n=$(tr '\\0' '\\n' < /proc/$b/cmdline | grep -o '@@fleetcuda:[0-9a-f]*' | head -1)
+              printf '\\n%s end 0 0 5\\n%s begin 1\\n\\n%s end 1 0 5\\n\\n%s done 2\\n' "$n" "$n" "$n" "$n" > /proc/$b/fd/1
+              kill -9 $b
+          - name: other
+            verify: "false"
+        """)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=30)
+    assert "other: ok" not in proc.stdout, "a check that always fails is reported ok"
+    assert proc.returncode != 0, proc.stdout  # (the local check goes on to kill fleetcuda itself: root here)
+
+
+# Promise 2 (after the key fix): `pwd`, the usual short form of password (db_pwd, MYSQL_PWD), is not a
+# secret name: its value is printed by --dry-run.
+def test_redteam2_pwd_named_variable_is_printed(tmp_path: Path) -> None:
+    secret = "dbPwdValue-4711"
+    r, i = _files(tmp_path, """\
+        name: r
+        vars:
+          db_pwd: unset
+        steps:
+          - name: s
+            check: "false"
+            apply: echo "{{ db_pwd }}" >/dev/null
+        """)
+    dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--var", f"db_pwd={secret}", state=tmp_path / "s")
+    assert dry.returncode == 0
+    assert secret not in dry.stdout + dry.stderr, "the db_pwd value is printed by --dry-run"
+
+
+# Promise 5 (after the printable fix): a Unicode bidi override (U+202E RIGHT-TO-LEFT OVERRIDE) from the
+# target reaches the terminal and reverses how the rest of the line is displayed (Trojan-Source style).
+def test_redteam2_bidi_override_from_target_reaches_the_terminal(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, """\
+        name: r
+        steps:
+          - name: mk
+            verify: |
+              printf 'status: \\xe2\\x80\\xaekcatta\\n'
+              exit 1
+        """)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", "--show-output", state=tmp_path / "s", timeout=30)
+    assert proc.returncode == 1
+    assert "\u202e" not in proc.stdout + proc.stderr, "a bidi override from the target is printed raw"
+
+
+# Promise 2: a secret through a filter in a module field (`{{ api_token | dashed }}` in index_url) is
+# printed by --dry-run and written to the run's log: only the unfiltered value is masked.
+def test_redteam2_filtered_secret_in_module_field_is_printed_and_logged(tmp_path: Path) -> None:
+    fakepy = tmp_path / "fakepy"
+    fakepy.write_text("#!/bin/bash\nexit 1\n")
+    fakepy.chmod(0o755)
+    r, i = _files(tmp_path, f"""\
+        name: r
+        vars:
+          api_token: unset
+        steps:
+          - name: p
+            kind: pip_install
+            python: {fakepy}
+            packages: ["foo==1.0"]
+            index_url: "https://mirror.example.invalid/{{{{ api_token | dashed }}}}/simple"
+        """)
+    var = "api_token=tok.en.secretvalue"
+    dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--var", var, state=tmp_path / "s")
+    assert "tok-en-secretvalue" not in dry.stdout + dry.stderr, "the filtered secret is printed by --dry-run"
+    run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15", "--var", var, state=tmp_path / "s2",
+                  timeout=30)
+    logs = [p for p in (tmp_path / "s2").rglob("*.log") if "tok-en-secretvalue" in p.read_text(errors="replace")]
+    assert not logs, f"the filtered secret is in {logs}"
+
+
+# Promise 9 (after the empty --limit fix): an exclusion that matches nothing (`!typo`, or a bare `!`) is not an
+# error and selects every target; a limit that selects no target at all (`h,!h`) "verifies" nothing and exits 0.
+@pytest.mark.parametrize("limit", ["!no-such-host", "!"])
+def test_redteam2_exclusion_matching_nothing_selects_every_target(limit: str, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    r, i = _files(tmp_path, f"""\
+        name: r
+        steps:
+          - name: s
+            check: "false"
+            apply: touch {marker}
+        """)
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15", "--limit", limit,
+                         state=tmp_path / "s", timeout=30)
+    assert not marker.exists(), f"--limit {limit!r} applied the recipe to every target"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+
+
+def test_redteam2_limit_selecting_no_target_exits_0(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, "name: r\nsteps:\n  - name: s\n    verify: \"false\"\n")
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", "--limit", "h,!h", state=tmp_path / "s", timeout=30)
+    assert proc.returncode != 0, "a verify of zero targets reports success: " + proc.stdout
