@@ -227,7 +227,7 @@ def test_redteam2_empty_limit_selects_every_target(limit: str, tmp_path: Path) -
             check: "false"
             apply: touch {marker}
         """)
-    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15", "--limit", limit, state=tmp_path / "s", timeout=30)
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15", "--limit", limit, state=tmp_path / "s", timeout=30)  # noqa: E501
     assert not marker.exists(), f"--limit {limit!r} applied the recipe to every target"
     assert proc.returncode == 2, proc.stdout + proc.stderr
 
@@ -268,7 +268,7 @@ def test_redteam2_sigterm_during_batched_checks_leaves_the_check_running(tmp_pat
             apply: "true"
         """)
     env = {**os.environ, "FLEETCUDA_STATE_DIR": str(tmp_path / "s"), "FLEETCUDA_CACHE_DIR": str(tmp_path / "c")}
-    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15"],
+    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", str(r), "-i", str(i), "--plain", "--lock-wait", "15"],  # noqa: E501
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 10
@@ -291,7 +291,7 @@ def test_redteam2_sigterm_during_batched_checks_leaves_the_check_running(tmp_pat
 
 # Promise 4/6 (reliability): one long output line of letters/digits (a base64 blob, a minified JSON,
 # pip's \r progress bar) costs time quadratic in its length on the control machine, in the redactor's
-# URL-credentials regex (redact.URL_CREDENTIALS: `[A-Za-z][A-Za-z0-9+.-]*://` retried at every offset): 20 kB ~2 s, 60 kB ~15-20 s, 300 kB ~6 min, during which
+# URL-credentials regex (redact.URL_CREDENTIALS: `[A-Za-z][A-Za-z0-9+.-]*://` retried at every offset): 20 kB ~2 s, 60 kB ~15-20 s, 300 kB ~6 min, during which  # noqa: E501
 # SIGTERM is not acted on (a `timeout 100` run took 7 minutes to end). A 50 kB line should take well under 5 s.
 def test_redteam2_one_long_output_line_takes_quadratic_time(tmp_path: Path) -> None:
     r, i = _files(tmp_path, """\
@@ -360,7 +360,8 @@ def test_redteam2_batched_check_forges_results_and_the_done_frame(tmp_path: Path
             verify: |
               b=$(ps -o ppid= -p $PPID | tr -d ' ')
               n=$(tr '\\0' '\\n' < /proc/$b/cmdline | grep -o '@@fleetcuda:[0-9a-f]*' | head -1)
-              printf '\\n%s end 0 0 5\\n%s begin 1\\n\\n%s end 1 0 5\\n\\n%s done 2\\n' "$n" "$n" "$n" "$n" > /proc/$b/fd/1
+              f='\\n%s end 0 0 5\\n%s begin 1\\n\\n%s end 1 0 5\\n\\n%s done 2\\n'
+              printf "$f" "$n" "$n" "$n" "$n" > /proc/$b/fd/1
               kill -9 $b
           - name: other
             verify: "false"

@@ -171,7 +171,7 @@ def test_other_arithmetic_takes_integers_only(template: str, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("template", [
-    'trap "echo {{ x }}" EXIT', 'PS4="+ {{ x }} "; set -x', 'alias a="echo {{ x }}"', 'mapfile -C "echo {{ x }}" -c 1 a',
+    'trap "echo {{ x }}" EXIT', 'PS4="+ {{ x }} "; set -x', 'alias a="echo {{ x }}"', 'mapfile -C "echo {{ x }}" -c 1 a',  # noqa: E501
     'bash -c "echo {{ x }}"', "/bin/sh -c 'echo '{{ x }}", 'sudo -u nobody sh -c "echo {{ x }}"', "eval echo {{ x }}",
 ])
 def test_strings_bash_runs_later_as_code_refuse_values(template: str) -> None:
