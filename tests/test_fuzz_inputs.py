@@ -720,7 +720,8 @@ HOSTILE = ["", " ", "-1", "0", "1", "2", "8", "99999999999999999999", "1e308", "
            "\n", "\r", "\x1b[31m", "\t", "a" * 300, "é", "𝔘", "{{ x }}", "{{ python }}", "$(id)", "; true",
            "*", "!*", "here", "!here", "here,there", "g", "nope", "a,,b", "here/200", "json", "junit", "prometheus",
            "table", "xml", "json=out.json", "junit=out.xml", "prometheus=out.prom", "json=", "=out.json",
-           "json=dir", "json=/proc/fleetcuda.json", "json=/dev/null", "json=nope/x.json", "json=plain.txt/x",
+           "json=dir", "json=/proc/fleetcuda.json", "json=/dev/null", "junit=/dev/zero", "json=nope/x.json",
+           "json=plain.txt/x",
            "json=fifo", "0 3 * * *", "* * * * * *", "61 3 * * *", "%", "\\%", "*-*-* 03:00:00", "Mon..Fri 02:30",
            "nightly", "a.b_c-d", "a b", "../x", "/", ".", "..", "~", "SHA256:x", "3.12", "manylinux_2_28_x86_64",
            "causal-conv1d", "out.json", "dir", "nope/out.json", "units", "plain.txt", "/proc/x", "/dev/null"]
@@ -848,17 +849,21 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
 
 
 STATES = ["state", "state", "state", "damaged", "statefile"]
+DEVICES = ("/dev/null", "/dev/zero")
 
 
 def check_argv(argv: list[str], state: str) -> None:
     """main(argv) with FLEETCUDA_STATE_DIR=state ends in a documented exit code, with no traceback."""
     saved = os.environ["FLEETCUDA_STATE_DIR"]
     os.environ["FLEETCUDA_STATE_DIR"] = state
+    devices = {d for d in DEVICES if Path(d).is_char_device()}
     try:
         code, out, err = run_main(argv)
     finally:
         os.environ["FLEETCUDA_STATE_DIR"] = saved
     shown = f"argv={argv!r} state={state}\nexit {code}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}"
+    # A report, unit file or wheel written over a device (as root) would replace it with a regular file.
+    assert all(Path(d).is_char_device() for d in devices), shown
     assert code in EXIT_CODES, shown
     assert "Traceback" not in err and "internal error" not in err, shown
     if code == 2:

@@ -142,14 +142,13 @@ def test_report_paths_are_checked_before_the_run(tmp_path: Path, how: str, fragm
     afile = write(tmp_path, "afile", "x")
     path = {"missing-dir": str(tmp_path / "nope" / "r.json"), "is-dir": str(tmp_path),
             "parent-is-file": str(afile / "r.json"), "proc": "/proc/fleetcuda-report.json",
-            "device": "/dev/null"}[how]
+            "device": "/dev/zero"}[how]
     args = ["--report", f"json={path}"] if option == "--report" else ["--format", "json", "--output", path]
     proc = cli(tmp_path, "verify", str(recipe), "-i", str(inv), *args)
     assert_input_error(proc, f"fleetcuda: {option}: ", fragment)
     assert proc.stdout == ""
     assert not (tmp_path / "state" / "runs").exists()  # refused before anything ran
-    if how == "device":
-        assert Path("/dev/null").is_char_device()
+    assert Path("/dev/zero").is_char_device()  # never replaced by a report
 
 
 # ---------------------------------------------------------------------------------------------- damaged history

@@ -118,8 +118,8 @@ def converged(state: Path) -> tuple[subprocess.CompletedProcess[str], float]:
 
 
 def test_apply_builds_the_real_extension_once_and_installs_it_everywhere(
-        converged: tuple[subprocess.CompletedProcess[str], float]) -> None:
-    out, _ = converged
+        converged: tuple[subprocess.CompletedProcess[str], float], capsys: pytest.CaptureFixture[str]) -> None:
+    out, took = converged
     assert out.returncode == 0, out.stdout + out.stderr
     # cuda_version=auto read 13.0 from the venv's torch: the real nvcc 13.0 from the lab's apt, never 12.8.
     assert re.search(r"^\S+ lab-real1/600 cuda-compiler: changed", out.stdout, re.M), out.stdout
@@ -135,6 +135,12 @@ def test_apply_builds_the_real_extension_once_and_installs_it_everywhere(
     assert NVCC_LINE.search(log), "no nvcc 13.0 compile command line in the builder's log"
     assert "fleetcuda: restricted the build to sm_90" in log
     assert not NVCC_LINE.search(run_log(out.stdout, other))  # the other one compiled nothing
+    with capsys.disabled():  # into the CI log, whatever pytest's capture: the real compile, in the container
+        print(f"\ntest_lab_real: converge of {len(TARGETS)} containers from bare in {took:.0f} s; {builder} built "
+              f"causal-conv1d with the real nvcc:")
+        for line in log.splitlines():
+            if "Cuda compilation tools" in line or NVCC_LINE.search(line) or "Successfully built causal" in line:
+                print(f"  {builder}: {line.strip()}")
     for target in TARGETS:
         pkgs = ct(target, "dpkg-query -W -f='${Package} ${Version}\\n' g++ python3.11-dev cuda-nvcc-13-0").stdout
         assert "cuda-nvcc-13-0 13.0.88-1" in pkgs and "python3.11-dev 3.11" in pkgs and "g++ 4:12" in pkgs, pkgs
