@@ -214,6 +214,7 @@ def _main(argv: list[str] | None = None) -> int:
     # Plan every target now, so a recipe that cannot be rendered is bad input before anything runs.
     for t in targets:
         make_plan(recipe, t, base_values(recipe, t, overrides))
+    check_state_dir()  # before anything runs: no run directory, history or report could be made
     reports = _report_targets(args) if args.command == "verify" else []
     mode = "verify" if args.command == "verify" else ("check" if args.check else "apply")
     return execute(recipe, inventory, targets, overrides, mode, args, reports)
@@ -298,7 +299,7 @@ def _home(target: Target) -> str | None:
 
 
 def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str]) -> int:
-    out = sys.stdout
+    out = _AsciiWriter(sys.stdout)
     out.write(f"# fleetcuda apply {recipe.path} --dry-run: {len(targets)} target(s) from {inventory.path}\n")
     out.write("# Each command line below can be pasted into bash or zsh; apply sends exactly these, but for the\n"
               "# run id in labels (@...) and the frame nonce, which are new each run. Secrets are read from stdin.\n")
@@ -329,6 +330,17 @@ def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
                 if cmd is not None:
                     out.write(f"{head}: {phase} ({note})\n{redact(cmd.display)}\n")
     return EXIT_OK
+
+
+class _AsciiWriter:
+    """stdout for the dry-run: 7-bit whatever the locale (paths from non-UTF-8 bytes, names), so a paste
+    survives any terminal."""
+
+    def __init__(self, stream: object):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        self.stream.write(text.encode("ascii", "backslashreplace").decode("ascii"))  # type: ignore[attr-defined]
 
 
 def _transport_factory(inventory: Inventory):

@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -93,8 +94,8 @@ def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
         os.chmod(runs.parent, 0o700)
         os.chmod(runs, 0o700)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        path = runs / f"{stamp}-{mode}-{recipe}-{os.getpid()}"
-        path.mkdir(mode=0o700)
+        # mkdtemp: unique even for two runs of one process within a second; created 0700.
+        path = Path(tempfile.mkdtemp(prefix=f"{stamp}-{mode}-{recipe}-{os.getpid()}-", dir=runs))
     except OSError as exc:
         where = "FLEETCUDA_STATE_DIR" if os.environ.get("FLEETCUDA_STATE_DIR") else "state directory"
         raise InputError(where, None, str(base), f"cannot make the run directory there: {exc.strerror or exc}; "
@@ -104,7 +105,7 @@ def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
 
 def _private_file(path: Path) -> IO[str]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+    return os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", buffering=1)
 
 
 class Engine:

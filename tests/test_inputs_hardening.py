@@ -194,9 +194,6 @@ def test_a_state_dir_that_is_a_file_is_bad_input(tmp_path: Path, args: list[str]
     assert_input_error(proc, "fleetcuda: FLEETCUDA_STATE_DIR: ", "not a directory")
 
 
-@pytest.mark.xfail(reason="apply makes its run directory in engine.make_run_dir before any check; needs "
-                          "cli._main to call history.check_state_dir() before execute() (not this change's file)",
-                   strict=False)
 def test_apply_with_a_state_dir_that_is_a_file_is_bad_input(tmp_path: Path) -> None:
     recipe = write(tmp_path, "r.yaml", TRUE_RECIPE)
     inv = write(tmp_path, "inv.yaml", LOCAL_INVENTORY)
@@ -428,9 +425,6 @@ def test_a_run_from_a_non_utf8_path_is_recorded(tmp_path: Path) -> None:
     assert "/srv/r\\\\udcff.yaml" in shown.stdout, shown.stdout
 
 
-@pytest.mark.xfail(reason="found by the argv fuzz: engine.make_run_dir names the directory by second and pid, so a "
-                          "second run of one process within the same second fails with FileExistsError (engine.py "
-                          "is not this change's file)", strict=False)
 def test_two_runs_in_one_second_get_their_own_run_directories(tmp_path: Path) -> None:
     from fleetcuda.engine import make_run_dir
 

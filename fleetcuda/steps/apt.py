@@ -88,7 +88,7 @@ class AptPackagesStep(StepSpec):
     def scripts(self, ctx: StepContext) -> Scripts:
         packages = [ctx.raw(p) for p in self.packages]
         for p in packages:
-            if not re.match(PACKAGE, p):
+            if not re.fullmatch(PACKAGE, p):
                 raise ValueError(f"{p!r} is not a Debian package name (optionally name=version)")
         # Says which packages are missing, so that a report's `found` names them.
         missing = "\n".join(["fc_apt_missing="]

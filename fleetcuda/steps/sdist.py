@@ -103,10 +103,10 @@ class SdistBuildStep(StepSpec):
 
     def scripts(self, ctx: StepContext) -> Scripts:
         version = ctx.raw(self.version)
-        if not re.match(VERSION, version):
+        if not re.fullmatch(VERSION, version):
             raise ValueError(f"{version!r} is not a version")
         archs = ctx.raw(self.cuda_archs).replace(" ", "")
-        if not ARCHS.match(archs):
+        if not ARCHS.fullmatch(archs):
             raise ValueError(f"cuda_archs {archs!r}: expected upstream, auto, or a list like 90,120")
         share = truthy(ctx.raw(self.share)) if isinstance(self.share, str) else self.share
         python = ctx.raw(self.python) if self.python else ctx.python
