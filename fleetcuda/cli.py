@@ -377,7 +377,9 @@ def execute(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    previous_int = signal.getsignal(signal.SIGINT)
+    # Also when started with SIGINT ignored (a background job of a script): a run that is told to stop must
+    # stop its remote steps and release its locks, never keep going, nor die without cleaning up.
+    previous_int = signal.signal(signal.SIGINT, on_term)
     started = datetime.now(UTC)
     try:
         reporter.start(mode, recipe.path, [t.id for t in targets])

@@ -276,3 +276,28 @@ def test_a_variable_listed_under_secrets_is_redacted_and_off_the_command_line(tm
     assert "connecting with ***" in proc.stdout
     dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", state=tmp_path / "s")
     assert "postgres-conn-XYZ" not in dry.stdout
+
+
+def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path: Path) -> None:
+    """A background job of a script starts with SIGINT ignored; `kill -INT` must still stop it cleanly."""
+    import signal as sg
+    r, i = _files(tmp_path, """\
+        name: r
+        steps:
+          - name: slow
+            check: "false"
+            apply: sleep 61
+        """)
+    state = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", str(r), "-i", str(i), "--plain"],
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={"PATH": "/usr/bin:/bin", "FLEETCUDA_STATE_DIR": str(state), "HOME": str(tmp_path)},
+                            preexec_fn=lambda: sg.signal(sg.SIGINT, sg.SIG_IGN))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(
+            b"sleep 61" in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()):
+        time.sleep(0.1)
+    proc.send_signal(sg.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert not any(b"sleep 61" in p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists())

@@ -83,7 +83,7 @@ def test_apply_converges_then_second_apply_changes_nothing(lab: LoopbackSshd, en
     # A converged target costs one pct exec: its three checks (make-dir, write-greeting, env-is-clean)
     # travel in one batch; may-fail is skipped by its `when`.
     assert len(scripts) == len(CONTAINERS)
-    assert all(len(re.findall(r"@@fleetcuda:[0-9a-f]+ begin", s)) == 3 for s in scripts)
+    assert all(len(re.findall(r"@@fleetcuda:\$\{fcn\} begin", s)) == 3 for s in scripts)  # (the nonce: on stdin)
 
 
 def test_non_root_users_reach_pct_through_sudo_n(lab: LoopbackSshd, env: dict[str, Path]) -> None:
