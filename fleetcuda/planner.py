@@ -191,7 +191,7 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
     plan = Plan(target, values, unresolved=pending_facts(recipe, values), home=home or home_of(target),
                 run_id=run_id, nonce=nonce or framing.new_nonce())
     secrets = Secrets(recipe, values)
-    recipe_env = {k: _render(recipe, ("env", k), v, values, shell=False) for k, v in recipe.env.items()}
+    recipe_env = {k: _render(recipe, ("env", k), v, values) for k, v in recipe.env.items()}
     for k, v in recipe_env.items():
         _check(recipe, ("env", k), f"env {k}", v)
     env = {**base_env(target, home), **recipe_env}
@@ -215,7 +215,7 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
                 scripts = _or_satisfied(scripts, condition)
         except (TemplateError, ValueError) as exc:
             raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
-        step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values, shell=False)
+        step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values)
                     for k, v in step.env.items()}
         for k, v in [*step_env.items(), *scripts.exports.items()]:
             _check(recipe, recipe.step_loc(i, "env") + (k,), f"env {k}", v)
@@ -339,9 +339,9 @@ def _check(recipe: Recipe, loc: tuple, what: str, value: str) -> None:
         raise recipe.source.error(loc, str(exc)) from None
 
 
-def _render(recipe: Recipe, loc: tuple, text: str, values: dict[str, str], *, shell: bool) -> str:
+def _render(recipe: Recipe, loc: tuple, text: str, values: dict[str, str]) -> str:
     try:
-        return render(text, values, shell=shell)
+        return render(text, values)
     except TemplateError as exc:
         raise recipe.source.error(loc, str(exc)) from None
 

@@ -20,8 +20,6 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from fleetcuda.command import quote
-
 _REF = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\|\s*([a-z_]+)\s*)?\}\}")
 
 FILTERS: dict[str, Callable[[str], str]] = {
@@ -57,11 +55,8 @@ def _value(m: re.Match[str], values: Mapping[str, str]) -> str:
     return value
 
 
-def render(text: str, values: Mapping[str, str], *, shell: bool) -> str:
+def render(text: str, values: Mapping[str, str]) -> str:
     """Raw substitution, for module fields (never shell text: see render_shell)."""
-    if shell:
-        rendered = render_shell(text, values)
-        return rendered.prologue() + rendered.text
     return _REF.sub(lambda m: _value(m, values), text)
 
 
@@ -77,9 +72,6 @@ class RenderedShell:
     vars: dict[str, str] = field(default_factory=dict)  # shell variable -> value it must hold
     names: dict[str, str] = field(default_factory=dict)  # shell variable -> recipe variable it comes from
 
-    def prologue(self, secret: frozenset[str] = frozenset()) -> str:
-        """Assignments of the non-secret variables, quoted once (secrets are set from stdin)."""
-        return "".join(f"{v}={quote(val)}\n" for v, val in self.vars.items() if self.names[v] not in secret)
 
 
 def check_value(what: str, value: str) -> None:

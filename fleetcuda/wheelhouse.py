@@ -43,7 +43,7 @@ def plan_download(recipe: Recipe, values: dict[str, str], dest: Path, *, python:
         raise FleetcudaError(f"{recipe.path}: the recipe has no `wheelhouse:` section listing wheels and sdists")
     pip = [python, "-m", "pip", "download", "--disable-pip-version-check", "--no-input", "-d", str(dest), *pip_args]
     commands = []
-    wheels = [render(w, values, shell=False) for w in spec.wheels]
+    wheels = [render(w, values) for w in spec.wheels]
     if wheels:
         target = ["--only-binary=:all:", "--no-deps"]
         if python_version:
@@ -52,9 +52,9 @@ def plan_download(recipe: Recipe, values: dict[str, str], dest: Path, *, python:
             target += ["--platform", plat]
         commands.append(([*pip, *target, *wheels], {}))
     for sdist in spec.sdists:
-        env = {k: render(v, values, shell=False) for k, v in spec.sdist_env.items()}
+        env = {k: render(v, values) for k, v in spec.sdist_env.items()}
         commands.append(([*pip, "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-                          render(sdist, values, shell=False)], env))
+                          render(sdist, values)], env))
     return DownloadPlan(commands)
 
 

@@ -65,7 +65,7 @@ class StepContext:
         return rendered.text
 
     def raw(self, text: str) -> str:
-        return render(text, self.values, shell=False)
+        return render(text, self.values)
 
     def var(self, source: str, value: str) -> str:
         """A shell variable holding `value` (named after `source`, e.g. an env_file's variable), for
