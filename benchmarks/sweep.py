@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does fleetcuda's parallelism limit its speed? `fleetcuda verify` at several --forks and per-host
-channel limits (fleetcuda.transport.CHANNELS_PER_HOST, patched in-process by trace_fleetcuda.py;
+channel limits (fleetcuda.connectors.ssh.CHANNELS_PER_HOST, patched in-process by trace_fleetcuda.py;
 fleetcuda's code is not edited), round-robin, on one benchmark topology, with run.py's measuring.
 
     sudo .venv/bin/python benchmarks/sweep.py --size 4x16 --repeats 2

@@ -6,7 +6,7 @@
 Runs fleetcuda's own main() in this process, with timing wrappers around its phases (imports,
 loading and planning, each host's SSH connect, each target's channel: open, exec, first byte,
 end) and prints them, in ms since this process started (kernel start time), to stderr as JSON
-lines plus a SUMMARY line. --channels overrides fleetcuda.transport.CHANNELS_PER_HOST (default 8) for
+lines plus a SUMMARY line. --channels overrides fleetcuda.connectors.ssh.CHANNELS_PER_HOST (default 8) for
 the experiment; --forks is fleetcuda's own option. Nothing of fleetcuda's code is edited.
 """
 
@@ -51,8 +51,8 @@ def main() -> int:
         argv += ["--forks", opts[opts.index("--forks") + 1]]
     ev("python-started-our-code", interpreter_startup_ms=round((T0 - START) * 1000, 1))
     import fleetcuda.cli as cli
-    import fleetcuda.engine as engine
-    import fleetcuda.transport as transport
+    import fleetcuda.connectors.ssh as transport
+    import fleetcuda.run.engine as engine
     ev("imports-done")
     if channels is not None:
         transport.CHANNELS_PER_HOST = channels

@@ -20,12 +20,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fleetcuda import __version__, doctor
-from fleetcuda.connector import LocalTransport, Transport, TransportPool
-from fleetcuda.engine import Engine, exit_code, make_run_dir, state_dir
+from fleetcuda import __version__
+from fleetcuda.connectors.base import LocalTransport, Transport, TransportPool
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
-from fleetcuda.framing import new_nonce
-from fleetcuda.history import (
+from fleetcuda.plan.inventory import Inventory, Target, load_inventory
+from fleetcuda.plan.planner import base_values, make_plan, pending_facts
+from fleetcuda.plan.recipe import Recipe, load_recipe, parse_var_overrides
+from fleetcuda.redact import Redactor
+from fleetcuda.remote.framing import new_nonce
+from fleetcuda.reports.formats import RunInfo, render_table, to_json, to_junit, to_prometheus, write_atomically
+from fleetcuda.reports.history import (
     HistoryError,
     changes,
     check_output_path,
@@ -35,15 +39,12 @@ from fleetcuda.history import (
     record,
     render_history,
 )
-from fleetcuda.inventory import Inventory, Target, load_inventory
-from fleetcuda.locks import TargetLock, run_owner
-from fleetcuda.planner import base_values, make_plan, pending_facts
-from fleetcuda.recipe import Recipe, load_recipe, parse_var_overrides
-from fleetcuda.redact import Redactor
-from fleetcuda.report import PlainReporter, Reporter, RichReporter, summary
-from fleetcuda.reports import RunInfo, render_table, to_json, to_junit, to_prometheus, write_atomically
+from fleetcuda.reports.live import PlainReporter, Reporter, RichReporter, summary
 from fleetcuda.results import ExitStatus
-from fleetcuda.schedule import (
+from fleetcuda.run import doctor
+from fleetcuda.run.engine import Engine, exit_code, make_run_dir, state_dir
+from fleetcuda.run.locks import TargetLock, run_owner
+from fleetcuda.run.schedule import (
     ScheduleError,
     cron_line,
     install_cron,
@@ -53,8 +54,8 @@ from fleetcuda.schedule import (
     show_cron,
     show_systemd,
 )
-from fleetcuda.wheelcache import CacheEntry, Problem, WheelCache, render_cache
-from fleetcuda.wheelhouse import DEFAULT_DEST, files_of, plan_download, push, run_download, sha256
+from fleetcuda.run.wheelcache import CacheEntry, Problem, WheelCache, render_cache
+from fleetcuda.run.wheelhouse import DEFAULT_DEST, files_of, plan_download, push, run_download, sha256
 
 DEFAULT_INVENTORY = "inventories/example.yaml"
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = (
@@ -246,7 +247,7 @@ def _report_targets(args: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 def trust(args: argparse.Namespace) -> int:
     """Record a host key after showing it: never silently, never from cron without a fingerprint."""
-    from fleetcuda.trust import trust as trust_host  # paramiko: loaded only by the commands that connect
+    from fleetcuda.connectors.trust import trust as trust_host  # paramiko: loaded only by the commands that connect
 
     return trust_host(args.inventory, args.host, expected=args.fingerprint, yes=args.yes)
 
@@ -348,7 +349,7 @@ def _transport_factory(inventory: Inventory):
         spec = inventory.spec.hosts[host]
         if spec.kind == "local":
             return LocalTransport()
-        from fleetcuda.transport import SshTransport  # paramiko: loaded only when a host needs it
+        from fleetcuda.connectors.ssh import SshTransport  # paramiko: loaded only when a host needs it
 
         target = next(t for t in inventory.targets if t.host == host)
         assert target.chain.ssh is not None

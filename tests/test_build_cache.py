@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda import fingerprint
-from fleetcuda.wheelcache import BuildBroker, CacheEntry, Problem, WheelCache
+from fleetcuda.run import fingerprint
+from fleetcuda.run.wheelcache import BuildBroker, CacheEntry, Problem, WheelCache
 from tests.conftest import run_fleetcuda
 
 PY = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -198,9 +198,9 @@ def test_waiters_build_for_themselves_when_the_build_gives_no_wheel(tmp_path: Pa
 
 def test_the_install_of_a_cached_wheel_runs_as_its_own_step() -> None:
     """The install command is made at run time: it must carry its own step's label, timeout and environment."""
-    from fleetcuda.inventory import load_inventory
-    from fleetcuda.planner import base_values, make_plan
-    from fleetcuda.recipe import load_recipe
+    from fleetcuda.plan.inventory import load_inventory
+    from fleetcuda.plan.planner import base_values, make_plan
+    from fleetcuda.plan.recipe import load_recipe
 
     recipe = load_recipe("recipes/gdn-fastpath.yaml")
     [target] = load_inventory("inventories/lab.yaml").select("lab-a/200")

@@ -247,7 +247,7 @@ def test_a_report_never_replaces_a_device_fifo_or_link(tmp_path: Path) -> None:
     """As root, `--output /dev/null` once replaced /dev/null itself with the report."""
     import os
 
-    from fleetcuda.reports import write_atomically
+    from fleetcuda.reports.formats import write_atomically
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     link = tmp_path / "link"

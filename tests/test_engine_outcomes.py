@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.command import BuiltCommand
-from fleetcuda.engine import Engine
-from fleetcuda.inventory import load_inventory
-from fleetcuda.recipe import load_recipe
-from fleetcuda.report import Reporter
+from fleetcuda.connectors.ssh import RunResult, Transport, TransportPool
+from fleetcuda.plan.command import BuiltCommand
+from fleetcuda.plan.inventory import load_inventory
+from fleetcuda.plan.recipe import load_recipe
+from fleetcuda.reports.live import Reporter
 from fleetcuda.results import ExitStatus, StepStatus, TargetStatus, exit_code
-from fleetcuda.transport import RunResult, Transport, TransportPool
+from fleetcuda.run.engine import Engine
 
 Reply = Callable[[BuiltCommand], RunResult]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.inventory import load_inventory
-from fleetcuda.planner import base_values, make_plan
-from fleetcuda.recipe import load_recipe
+from fleetcuda.plan.inventory import load_inventory
+from fleetcuda.plan.planner import base_values, make_plan
+from fleetcuda.plan.recipe import load_recipe
 from tests.conftest import REPO
 
 WRAPPED = '''

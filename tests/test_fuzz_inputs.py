@@ -24,11 +24,11 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fleetcuda.command import quote
 from fleetcuda.errors import InputError
-from fleetcuda.inventory import load_inventory
-from fleetcuda.planner import base_values, make_plan
-from fleetcuda.recipe import load_recipe
+from fleetcuda.plan.command import quote
+from fleetcuda.plan.inventory import load_inventory
+from fleetcuda.plan.planner import base_values, make_plan
+from fleetcuda.plan.recipe import load_recipe
 from tests.conftest import REPO
 
 GOOD_RECIPE = REPO / "recipes" / "gdn-fastpath.yaml"
@@ -692,8 +692,8 @@ def sandbox() -> Iterator[dict[str, str]]:
         # bytes, and a file where a directory belongs.
         from datetime import UTC, datetime
 
-        from fleetcuda.history import record
-        from fleetcuda.reports import RunInfo
+        from fleetcuda.reports.formats import RunInfo
+        from fleetcuda.reports.history import record
 
         now = datetime.now(UTC)
         record(root / "state" / "history.sqlite",
@@ -787,7 +787,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
     def refuse(*args: object, **kwargs: object) -> None:
         raise _NoNetwork(f"the argv fuzz tried to connect: {args!r}")
 
-    from fleetcuda import transport
+    from fleetcuda.connectors import ssh as transport
 
     monkeypatch.setattr(transport, "SshTransport", refuse)  # the CLI imports it from here when a host needs it
     monkeypatch.setattr(cli, "SshTransport", refuse, raising=False)
@@ -797,7 +797,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
         # runs of one process in one second collide (FileExistsError), and (2) is reached by `apply` before
         # anything checks FLEETCUDA_STATE_DIR (test_inputs_hardening's xfail test). Both are reported for the
         # engine's and _main's owners; this does what they would: check the state directory, name uniquely.
-        from fleetcuda.history import check_state_dir
+        from fleetcuda.reports.history import check_state_dir
 
         runs = (root or check_state_dir()) / "runs"
         runs.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import pytest
 from rich.console import Console
 
-from fleetcuda.engine import StepResult, TargetResult, exit_code
-from fleetcuda.history import (
+from fleetcuda.reports.formats import RunInfo
+from fleetcuda.reports.history import (
     Change,
     changes,
     default_history_path,
@@ -24,7 +24,7 @@ from fleetcuda.history import (
     render_history,
     target_matcher,
 )
-from fleetcuda.reports import RunInfo
+from fleetcuda.run.engine import StepResult, TargetResult, exit_code
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier

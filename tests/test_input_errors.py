@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fleetcuda.errors import InputError
-from fleetcuda.inventory import load_inventory
-from fleetcuda.recipe import load_recipe
+from fleetcuda.plan.inventory import load_inventory
+from fleetcuda.plan.recipe import load_recipe
 from tests.conftest import REPO
 
 GOOD_RECIPE = REPO / "recipes" / "gdn-fastpath.yaml"

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from fleetcuda.errors import InputError
-from fleetcuda.recipe import check_fact_value, parse_var_overrides
-from fleetcuda.schedule import install_cron, show_cron
-from fleetcuda.templating import TemplateError
-from fleetcuda.wheelcache import CacheEntry, WheelCache
+from fleetcuda.plan.recipe import check_fact_value, parse_var_overrides
+from fleetcuda.plan.templating import TemplateError
+from fleetcuda.run.schedule import install_cron, show_cron
+from fleetcuda.run.wheelcache import CacheEntry, WheelCache
 from tests.conftest import REPO
 
 LOCAL_INVENTORY = "hosts:\n  here:\n    kind: local\n"
@@ -117,7 +117,7 @@ def test_a_recipe_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_large_file_is_read_only_up_to_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fleetcuda import yamlsrc
+    from fleetcuda.plan import yamlsrc
 
     big = write(tmp_path, "big.yaml", b"#" * 5000)
     monkeypatch.setattr(yamlsrc, "MAX_FILE_BYTES", 100)
@@ -408,9 +408,9 @@ def test_a_run_from_a_non_utf8_path_is_recorded(tmp_path: Path) -> None:
     """A recipe path from non-UTF-8 argv bytes (surrogateescape) could not be stored in SQLite."""
     from datetime import UTC, datetime
 
-    from fleetcuda.engine import StepResult, TargetResult
-    from fleetcuda.history import record
-    from fleetcuda.reports import RunInfo
+    from fleetcuda.reports.formats import RunInfo
+    from fleetcuda.reports.history import record
+    from fleetcuda.run.engine import StepResult, TargetResult
 
     now = datetime.now(UTC)
     info = RunInfo(mode="verify", recipe_path=os.fsdecode(b"/srv/r\xff.yaml"), recipe_name="r",
@@ -426,7 +426,7 @@ def test_a_run_from_a_non_utf8_path_is_recorded(tmp_path: Path) -> None:
 
 
 def test_two_runs_in_one_second_get_their_own_run_directories(tmp_path: Path) -> None:
-    from fleetcuda.engine import make_run_dir
+    from fleetcuda.run.engine import make_run_dir
 
     first = make_run_dir("verify", "r", root=tmp_path)
     second = make_run_dir("verify", "r", root=tmp_path)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.inventory import load_inventory
-from fleetcuda.planner import base_values, facts_command, make_plan, parse_facts, pending_facts
-from fleetcuda.recipe import load_recipe
-from fleetcuda.templating import TemplateError
+from fleetcuda.plan.inventory import load_inventory
+from fleetcuda.plan.planner import base_values, facts_command, make_plan, parse_facts, pending_facts
+from fleetcuda.plan.recipe import load_recipe
+from fleetcuda.plan.templating import TemplateError
 from tests.conftest import REPO
 
 GDN = REPO / "recipes" / "gdn-fastpath.yaml"
@@ -164,7 +164,7 @@ steps:
 
 
 def test_targets_are_started_round_robin_across_hosts(tmp_path: Path) -> None:
-    from fleetcuda.engine import interleave_hosts
+    from fleetcuda.run.engine import interleave_hosts
 
     inv = tmp_path / "i.yaml"
     inv.write_text("hosts:\n" + "".join(

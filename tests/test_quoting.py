@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetcuda import command
-from fleetcuda.command import HopChain, Invocation, PctHop, SshHop, build, quote, quote_for_paste
+from fleetcuda.plan import command
+from fleetcuda.plan.command import HopChain, Invocation, PctHop, SshHop, build, quote, quote_for_paste
 from tests.conftest import SHELLS, need
 
 # Scripts full of what breaks naive quoting.

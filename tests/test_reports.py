@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fleetcuda.engine import StepResult, TargetResult, exit_code
-from fleetcuda.reports import (
+from fleetcuda.reports.formats import (
     SCHEMA,
     RunInfo,
     escape_label_value,
@@ -25,6 +24,7 @@ from fleetcuda.reports import (
     to_prometheus,
     write_atomically,
 )
+from fleetcuda.run.engine import StepResult, TargetResult, exit_code
 
 T0 = datetime(2025, 6, 1, 3, 0, 0, tzinfo=UTC)
 NASTY_TAIL = ["nvcc: release 12.6, V12.6.77", "\x1b[31merror\x1b[0m [/red] <tag> & \"quoted\" \x00 end"]

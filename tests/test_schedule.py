@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.schedule import (
+from fleetcuda.run.schedule import (
     ScheduleError,
     cron_line,
     install_cron,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda import transport
-from fleetcuda.command import HopChain, Invocation, SshHop, build
+from fleetcuda.connectors import ssh as transport
+from fleetcuda.plan.command import HopChain, Invocation, SshHop, build
 from tests.conftest import SHELLS, need
 from tests.lab.sshd import LoopbackSshd
 

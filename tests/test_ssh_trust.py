@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.command import BuiltCommand, SshHop
+from fleetcuda.connectors.ssh import SshTransport
 from fleetcuda.errors import HostKeyError
-from fleetcuda.transport import SshTransport
+from fleetcuda.plan.command import BuiltCommand, SshHop
 from tests.conftest import REPO
 from tests.lab.sshd import LoopbackSshd
 
@@ -159,7 +159,7 @@ def test_a_revoked_key_is_refused_by_the_transport_and_by_trust(sshd_lab: Loopba
 
 
 def test_host_patterns() -> None:
-    from fleetcuda.transport import host_matches
+    from fleetcuda.connectors.ssh import host_matches
 
     assert host_matches("a.example,b.example", "b.example")
     assert host_matches("*.example", "A.Example")

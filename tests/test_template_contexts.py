@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetcuda.command import Invocation, target_argv
-from fleetcuda.templating import TemplateError, render_shell
+from fleetcuda.plan.command import Invocation, target_argv
+from fleetcuda.plan.templating import TemplateError, render_shell
 
 HOSTILE = [
     "$(touch {p})", "`touch {p}`", "'; touch {p}; '", '"; touch {p}; "', "a\ntouch {p}\n", "${{x:-$(touch {p})}}",

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda import connector
-from fleetcuda.command import BuiltCommand, SshHop
+from fleetcuda.connectors import base as connector
+from fleetcuda.connectors.ssh import LocalTransport, SshTransport
 from fleetcuda.errors import FleetcudaError, UnreachableError
-from fleetcuda.transport import LocalTransport, SshTransport
+from fleetcuda.plan.command import BuiltCommand, SshHop
 from tests.lab.sshd import LoopbackSshd
 
 

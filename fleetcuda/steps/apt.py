@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from fleetcuda.command import quote
+from fleetcuda.plan.command import quote
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
 
 PACKAGE = r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$"

@@ -8,8 +8,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StringConstraints
 
-from fleetcuda.inventory import SAFE_NAME, VAR_NAME
-from fleetcuda.templating import render, render_shell
+from fleetcuda.plan.inventory import SAFE_NAME, VAR_NAME
+from fleetcuda.plan.templating import render, render_shell
 
 StepName = Annotated[str, StringConstraints(pattern=SAFE_NAME)]
 EnvName = Annotated[str, StringConstraints(pattern=VAR_NAME)]

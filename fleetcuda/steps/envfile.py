@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from fleetcuda.command import quote
+from fleetcuda.plan.command import quote
 from fleetcuda.steps.base import EnvName, Scripts, StepContext, StepSpec, all_of
 
 

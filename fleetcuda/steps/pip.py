@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from fleetcuda.command import quote
+from fleetcuda.plan.command import quote
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
 
 REQUIREMENT = re.compile(

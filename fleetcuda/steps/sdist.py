@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from fleetcuda.command import quote
-from fleetcuda.fingerprint import TARGET_PROGRAM, WHEEL_MARK
+from fleetcuda.plan.command import quote
+from fleetcuda.run.fingerprint import TARGET_PROGRAM, WHEEL_MARK
 from fleetcuda.steps.base import Scripts, SharedBuild, StepContext, StepSpec, all_of
 from fleetcuda.steps.pip import MODULE, check_script, truthy
 

@@ -10,10 +10,10 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from fleetcuda.errors import InputError
-from fleetcuda.inventory import SAFE_NAME, VAR_NAME, VAR_NAME_RE, VarValue, var_to_str
+from fleetcuda.plan.inventory import SAFE_NAME, VAR_NAME, VAR_NAME_RE, VarValue, var_to_str
+from fleetcuda.plan.templating import TemplateError, references
+from fleetcuda.plan.yamlsrc import SourceDoc, load_yaml
 from fleetcuda.steps import KINDS, StepSpec
-from fleetcuda.templating import TemplateError, references
-from fleetcuda.yamlsrc import SourceDoc, load_yaml
 
 AUTO = "auto"
 _UNCARRIABLE = re.compile("[\x00\ud800-\udfff]")

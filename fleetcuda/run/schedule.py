@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetcuda.reports import write_atomically
+from fleetcuda.reports.formats import write_atomically
 
 MARKER = "fleetcuda-verify"
 DEFAULT_NAME = "nightly"
@@ -157,7 +157,7 @@ def write_crontab(text: str, crontab_cmd: str | Sequence[str] = "crontab") -> No
 
 def default_lock_path() -> Path:
     """The lock that serializes this user's crontab edits: in fleetcuda's state directory."""
-    from fleetcuda.engine import state_dir  # not at the top: the engine is heavy and needs nothing from here
+    from fleetcuda.run.engine import state_dir  # not at the top: the engine is heavy and needs nothing from here
 
     return state_dir() / "crontab.lock"
 

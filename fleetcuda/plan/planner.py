@@ -9,8 +9,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from fleetcuda import framing
-from fleetcuda.command import (
+from fleetcuda.plan.command import (
     BuiltCommand,
     Invocation,
     build,
@@ -20,12 +19,13 @@ from fleetcuda.command import (
     step_label,
     target_argv,
 )
-from fleetcuda.inventory import Target
-from fleetcuda.locks import LOCK_STALE_S, TargetLock
-from fleetcuda.recipe import AUTO, Recipe, check_fact_value
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.recipe import AUTO, Recipe, check_fact_value
+from fleetcuda.plan.templating import FILTERS, TemplateError, check_value, render, render_shell, scrub
 from fleetcuda.redact import MIN_SECRET, SECRET_NAME
+from fleetcuda.remote import framing
+from fleetcuda.run.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.steps import Scripts, StepContext, StepSpec
-from fleetcuda.templating import FILTERS, TemplateError, check_value, render, render_shell, scrub
 
 __all__ = ["LOCK_STALE_S", "TargetLock"]
 

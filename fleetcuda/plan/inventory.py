@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator, model_validator
 
-from fleetcuda.command import DEFAULT_PCT, HopChain, PctHop, SshHop
 from fleetcuda.errors import InputError
-from fleetcuda.yamlsrc import SourceDoc, load_yaml
+from fleetcuda.plan.command import DEFAULT_PCT, HopChain, PctHop, SshHop
+from fleetcuda.plan.yamlsrc import SourceDoc, load_yaml
 
 # These patterns are checked by pydantic, whose regex engine reads `\A` and `\z` as the very start and end of
 # the text. Never `^...$`: in Python's re, `$` also matches before a trailing newline. Python code checks

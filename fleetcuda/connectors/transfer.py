@@ -10,11 +10,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fleetcuda.command import HopChain, Invocation, build, join
-from fleetcuda.connector import Transport
+from fleetcuda.connectors.base import Transport
 from fleetcuda.errors import FleetcudaError
-from fleetcuda.inventory import Target
-from fleetcuda.planner import SYSTEM_PATH
+from fleetcuda.plan.command import HopChain, Invocation, build, join
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.planner import SYSTEM_PATH
 
 
 def on_host(transport: Transport, target: Target, argv: list[str], what: str, timeout: float = 600) -> str:

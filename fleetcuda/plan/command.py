@@ -225,7 +225,7 @@ def host_argv(chain: HopChain, inner: Sequence[str]) -> list[str]:
 
 
 def ssh_argv(hop: SshHop) -> list[str]:
-    """OpenSSH client options equivalent to what the SSH transport does (fleetcuda.transport).
+    """OpenSSH client options equivalent to what the SSH transport does (fleetcuda.connectors.ssh).
 
     No ssh config file is read (-F /dev/null: neither ~/.ssh/config nor /etc/ssh/ssh_config, whose
     SendEnv would pass LANG on); host keys only from the hop's own known_hosts, never added to it;

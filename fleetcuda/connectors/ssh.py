@@ -28,8 +28,7 @@ from pathlib import Path
 import paramiko
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from fleetcuda.command import BuiltCommand, SshHop
-from fleetcuda.connector import (  # noqa: F401  (re-exported: the SSH connector's module names them too)
+from fleetcuda.connectors.base import (  # noqa: F401  (re-exported: the SSH connector's module names them too)
     DEADLINE_MARGIN_S,
     LOCAL_PATH,
     LocalTransport,
@@ -42,6 +41,7 @@ from fleetcuda.connector import (  # noqa: F401  (re-exported: the SSH connector
     _LineSplitter,
 )
 from fleetcuda.errors import FleetcudaError, HostKeyError, UnreachableError
+from fleetcuda.plan.command import BuiltCommand, SshHop
 
 CHANNELS_PER_HOST = 8  # sshd's MaxSessions defaults to 10
 # An SFTP request (open, a block read or written) that gets no answer for this long fails the transfer.

@@ -26,13 +26,13 @@ from typing import IO, Literal
 
 from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 
-from fleetcuda import __version__, fingerprint, framing, transfer
-from fleetcuda.command import BuiltCommand, Invocation, build, quote, stop_invocation
-from fleetcuda.connector import RunResult, TransportPool
+from fleetcuda import __version__
+from fleetcuda.connectors import transfer
+from fleetcuda.connectors.base import RunResult, TransportPool
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
-from fleetcuda.inventory import Target
-from fleetcuda.locks import LOCK_REFRESH_S, LOCK_STALE_S, TargetLock, lock_state, owner_is_dead
-from fleetcuda.planner import (
+from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote, stop_invocation
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.planner import (
     SYSTEM_PATH,
     Plan,
     PlannedStep,
@@ -47,16 +47,19 @@ from fleetcuda.planner import (
     pending_facts,
     vmid_of,
 )
-from fleetcuda.recipe import Recipe
+from fleetcuda.plan.recipe import Recipe
+from fleetcuda.plan.templating import TemplateError
 from fleetcuda.redact import Redactor, printable
-from fleetcuda.report import Reporter
+from fleetcuda.remote import framing
+from fleetcuda.reports.live import Reporter
 from fleetcuda.results import StepResult as StepResult
 from fleetcuda.results import StepStatus, TargetStatus
 from fleetcuda.results import TargetResult as TargetResult
 from fleetcuda.results import exit_code as exit_code
-from fleetcuda.templating import TemplateError
-from fleetcuda.wheelcache import BuildBroker, CacheEntry, WheelCache
-from fleetcuda.wheelhouse import sha256
+from fleetcuda.run import fingerprint
+from fleetcuda.run.locks import LOCK_REFRESH_S, LOCK_STALE_S, TargetLock, lock_state, owner_is_dead
+from fleetcuda.run.wheelcache import BuildBroker, CacheEntry, WheelCache
+from fleetcuda.run.wheelhouse import sha256
 
 Mode = Literal["apply", "check", "verify"]
 TAIL_LINES = 20

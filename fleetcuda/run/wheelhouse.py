@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetcuda.command import join_for_paste, quote
-from fleetcuda.connector import Transport
+from fleetcuda.connectors.base import Transport
+from fleetcuda.connectors.transfer import host_staging_dir, in_target, into_container, remove_on_host, to_host
 from fleetcuda.errors import FleetcudaError, InputError
-from fleetcuda.inventory import Target
-from fleetcuda.recipe import Recipe
-from fleetcuda.templating import render
-from fleetcuda.transfer import host_staging_dir, in_target, into_container, remove_on_host, to_host
+from fleetcuda.plan.command import join_for_paste, quote
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.recipe import Recipe
+from fleetcuda.plan.templating import render
 
 DEFAULT_DEST = "/var/cache/fleetcuda/wheelhouse"
 SUFFIXES = (".whl", ".tar.gz", ".zip")

@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from fleetcuda.command import BuiltCommand, Invocation, build, quote
-from fleetcuda.inventory import Target
-from fleetcuda.planner import base_env
+from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.planner import base_env
 
 MARK = "@@fleetcuda-doctor"
 

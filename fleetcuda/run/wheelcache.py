@@ -25,8 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fleetcuda.fingerprint import FIELDS, key
-from fleetcuda.wheelhouse import sha256
+from fleetcuda.run.fingerprint import FIELDS, key
+from fleetcuda.run.wheelhouse import sha256
 
 PROVENANCE = "provenance.json"
 

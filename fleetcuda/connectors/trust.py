@@ -13,9 +13,9 @@ from typing import TextIO
 
 import paramiko
 
+from fleetcuda.connectors.ssh import fetch_host_key, fingerprint, hop_host_keys, known_hosts_name, record_host_key
 from fleetcuda.errors import FleetcudaError, InputError
-from fleetcuda.inventory import load_inventory
-from fleetcuda.transport import fetch_host_key, fingerprint, hop_host_keys, known_hosts_name, record_host_key
+from fleetcuda.plan.inventory import load_inventory
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
 

@@ -69,7 +69,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleetcuda import __version__
-from fleetcuda.report import STATUS_STYLE
+from fleetcuda.reports.live import STATUS_STYLE
 from fleetcuda.results import StepResult, TargetResult
 
 SCHEMA = "fleetcuda.verify/1"

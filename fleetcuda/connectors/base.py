@@ -1,6 +1,6 @@
 """Connectors: where a built command runs, behind one small interface (run, put, get).
 
-`LocalTransport` runs on this machine; `fleetcuda.transport.SshTransport` (paramiko, imported only when a
+`LocalTransport` runs on this machine; `fleetcuda.connectors.ssh.SshTransport` (paramiko, imported only when a
 host needs it) on a host over its one SSH connection. The engine and transfers see only `Transport`:
 whether a host is this machine is the connector's own `local` attribute, never an isinstance check.
 """
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetcuda.command import KILL_AFTER_S, BuiltCommand
 from fleetcuda.errors import UnreachableError
+from fleetcuda.plan.command import KILL_AFTER_S, BuiltCommand
 
 # Beyond a step's own `timeout` (enforced on the target), how long we wait before giving up on it.
 DEADLINE_MARGIN_S = KILL_AFTER_S + 30

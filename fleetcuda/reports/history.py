@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from fleetcuda.engine import TargetResult, state_dir
 from fleetcuda.errors import FleetcudaError, InputError
-from fleetcuda.report import STATUS_STYLE
-from fleetcuda.reports import FAILING, RunInfo, iso_utc
+from fleetcuda.reports.formats import FAILING, RunInfo, iso_utc
+from fleetcuda.reports.live import STATUS_STYLE
+from fleetcuda.run.engine import TargetResult, state_dir
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 30.0

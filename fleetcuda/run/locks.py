@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from fleetcuda import framing
-from fleetcuda.command import quote
+from fleetcuda.plan.command import quote
+from fleetcuda.remote import framing
 
 LOCK_REFRESH_S = 60
 LOCK_STALE_S = 15 * 60  # 15 missed refreshes

@@ -1,0 +1,1 @@
+"""What runs on targets: the framing protocol and the programs fleetcuda sends."""

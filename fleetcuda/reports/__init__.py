@@ -1,0 +1,1 @@
+"""Reporters at the edge: live terminal/plain output, machine-readable reports, history."""
