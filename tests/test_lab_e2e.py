@@ -184,7 +184,7 @@ def test_dry_run_lines_run_by_hand_do_what_apply_does(converged: subprocess.Comp
             if m[1] == "check" or not steps or m[1] in steps[-1]:
                 steps.append({})
             steps[-1][m[1]] = lines[i + 1]
-    assert len(steps) == 9  # host-toolchain is skipped in this lab (inventories/lab.yaml)
+    assert len(steps) == 10  # host-toolchain's check passes: this lab's image has g++ and Python.h
     for step in steps:
         def sh(line: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([shell, "-c", line], capture_output=True, text=True, timeout=600)
@@ -284,3 +284,39 @@ def test_build_only_for_the_gpus_asked_for(converged: subprocess.CompletedProces
     assert absent.returncode == 1
     assert "setup.py does not build for sm_89" in absent.stdout
     assert run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, state=state).returncode == 0
+
+
+def flat(text: str) -> str:
+    """Output with line wrapping undone (the summary wraps long findings)."""
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(("hide", "preflight_says", "host_toolchain_says"), [
+    ("mv /usr/bin/g++ /usr/bin/g++.hidden", "no g++ on PATH: host_toolchain is false, so nothing installs one",
+     "no g++ on PATH although apt has g++: its files were removed; apt-get install --reinstall g++ gcc"),
+    ("mv /usr/include/python3.11/Python.h /root/Python.h.hidden",
+     "/usr/include/python3.11/Python.h is missing and host_toolchain is false, so nothing installs it: put "
+     "python3.11-dev in the image",
+     "no /usr/include/python3.11/Python.h: the headers of the venv's Python are missing (apt-get install --reinstall "
+     "python3.11-dev)"),
+])
+def test_an_image_without_its_toolchain_is_caught_before_anything_is_installed(
+        state: Path, hide: str, preflight_says: str, host_toolchain_says: str) -> None:
+    """This lab's image brings g++ and Python.h; without one of them the build would fail (the stand-in torch fails
+    as the real one does), so preflight (host_toolchain false) or host-toolchain's verify stops apply first."""
+    target = "lab-b/301"
+    reset("b/301")
+    ct(target, hide)
+    no_cuda = "dpkg-query -W -f='${Package}\\n' 'cuda-*' 2>/dev/null || true"
+    off = run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, "--var", "host_toolchain=false",
+                        state=state)
+    assert off.returncode == 1, off.stdout
+    assert preflight_says in flat(off.stdout), off.stdout
+    assert steps_with("failed", off.stdout) == {(target, "preflight")}
+    assert ct(target, no_cuda).stdout == ""
+    on = run_fleetcuda("apply", GDN, "-i", INV, "--plain", "--limit", target, state=state)
+    assert on.returncode == 1, on.stdout
+    assert steps_with("failed", on.stdout) == {(target, "host-toolchain")}
+    assert host_toolchain_says in flat(on.stdout), on.stdout
+    assert ct(target, no_cuda).stdout == ""
+    reset("b/301")

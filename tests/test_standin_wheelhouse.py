@@ -374,9 +374,28 @@ def test_causal_conv1d_failure_chain(wheelhouse: Path, python311: str, tmp_path:
                     "causal_conv1d-1.7.0+cu12torch2.11cxx11abiTRUE-cp311-cp311-linux_x86_64.whl",
                     "<urlopen error [Errno -3] Temporary failure in name resolution>")
 
-    # 5. FORCE_BUILD=TRUE with the build tools from the wheelhouse and ninja on PATH: it builds and installs.
+    # 5. FORCE_BUILD=TRUE with the build tools from the wheelhouse and ninja on PATH, but no host compiler (a fresh
+    #    Proxmox template has none): the compile fails as the real one does, for the .cpp (c++) and for nvcc's host
+    #    compiler (gcc), and nothing is installed.
     assert venv.pip(wheelhouse, "setuptools<76", "ninja").returncode == 0
-    result = install_chain(venv, wheelhouse, path=[bin_dir], verbose=True, cache=True, CUDA_HOME=str(cuda128),
+    failed_with(install_chain(venv, wheelhouse, path=[bin_dir], CUDA_HOME=str(cuda128),
+                              CAUSAL_CONV1D_FORCE_BUILD="TRUE", CAUSAL_CONV1D_STANDIN_SECONDS="0"),
+                "/bin/sh: 1: c++: not found", "nvcc fatal   : Failed to preprocess host compiler properties.",
+                "ninja: build stopped: subcommand failed.", "RuntimeError: Error compiling objects for extension")
+    assert "causal_conv1d" not in venv.py("import importlib.metadata as m; print([d.name for d in m.distributions()])",
+                                          ).stdout.replace("-", "_")
+    #    Without ninja, setuptools' own failure for the first source.
+    failed_with(install_chain(venv, wheelhouse, CUDA_HOME=str(cuda128), CAUSAL_CONV1D_FORCE_BUILD="TRUE"),
+                "command 'c++' failed with exit code 1")
+    #    Only being on PATH matters to the stand-in (it never runs a compiler): these fail if they are ever run.
+    tools = tmp_path / "host-toolchain"
+    tools.mkdir()
+    for name in ("c++", "gcc"):
+        (tools / name).write_text("#!/bin/sh\necho 'test double: the stand-in must not run a compiler' >&2\nexit 99\n")
+        (tools / name).chmod(0o755)
+
+    # 6. With a host compiler too: it builds and installs.
+    result = install_chain(venv, wheelhouse, path=[bin_dir, tools], verbose=True, cache=True, CUDA_HOME=str(cuda128),
                            CAUSAL_CONV1D_FORCE_BUILD="TRUE", CAUSAL_CONV1D_STANDIN_SECONDS="0.5", MAX_JOBS="2")
     assert result.returncode == 0, result.stdout
     assert "MAX_JOBS=2 (ninja -j 2)" in result.stdout and NINJA_FALLBACK not in result.stdout
@@ -399,29 +418,30 @@ except RuntimeError as err:
     assert tag == "Tag: cp311-cp311-linux_x86_64"
     assert call.startswith("causal_conv1d_fn: no CUDA GPU is available") and NO_DRIVER in call
 
-    # 6. A torch upgrade under the built extension: the real ABI-break ImportError.
+    # 7. A torch upgrade under the built extension: the real ABI-break ImportError.
     assert venv.pip(wheelhouse, "torch==2.11.0+cu130").returncode == 0
     broken = venv.py("import causal_conv1d")
     assert broken.returncode != 0
     assert f"ImportError: {venv.root}/lib/python3.11/site-packages/{ABI_BREAK}" in broken.stderr
     #    pip's wheel cache is keyed by the sdist, not by torch: a plain reinstall brings the stale binary back.
-    result = install_chain(venv, wheelhouse, "--force-reinstall", "--no-deps", cache=True, CUDA_HOME=str(cuda130),
-                           CAUSAL_CONV1D_FORCE_BUILD="TRUE")
+    result = install_chain(venv, wheelhouse, "--force-reinstall", "--no-deps", path=[tools], cache=True,
+                           CUDA_HOME=str(cuda130), CAUSAL_CONV1D_FORCE_BUILD="TRUE")
     assert result.returncode == 0, result.stdout
     assert ABI_BREAK in venv.py("import causal_conv1d").stderr
 
-    # 7. nvcc 13.0 against torch cu128: torch refuses to compile (after the ninja check, before any compile).
+    # 8. nvcc 13.0 against torch cu128: torch refuses to compile (after the ninja check, before any compile).
     assert venv.pip(wheelhouse, "torch==2.11.0+cu128").returncode == 0
     result = install_chain(venv, wheelhouse, "--force-reinstall", "--no-deps", CUDA_HOME=str(cuda130),
                            CAUSAL_CONV1D_FORCE_BUILD="TRUE", CAUSAL_CONV1D_STANDIN_SECONDS="0")
     failed_with(result, "RuntimeError: ('The detected CUDA version (%s) mismatches the version that was used to "
                 "compile", "'13.0', '12.8')", NINJA_FALLBACK)
 
-    # 8. Without ninja on PATH the pretend compile takes three times as long; CAUSAL_CONV1D_LOCAL_VERSION stamps
+    # 9. Without ninja on PATH the pretend compile takes three times as long; CAUSAL_CONV1D_LOCAL_VERSION stamps
     #    the version (from the sdist's path: by name, pip rejects the metadata's 1.7.0+X against the file's 1.7.0).
     started = time.monotonic()
     result = venv.pip(wheelhouse, "--no-build-isolation", "--force-reinstall", "--no-deps",
-                      str(wheelhouse / "causal_conv1d-1.7.0.tar.gz"), verbose=True, CUDA_HOME=str(cuda128),
+                      str(wheelhouse / "causal_conv1d-1.7.0.tar.gz"), path=[tools], verbose=True,
+                      CUDA_HOME=str(cuda128),
                       CAUSAL_CONV1D_FORCE_BUILD="TRUE", CAUSAL_CONV1D_STANDIN_SECONDS="0.4",
                       CAUSAL_CONV1D_LOCAL_VERSION="cu128torch2.11")
     assert result.returncode == 0, result.stdout

@@ -32,6 +32,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LAB = Path(os.environ.get("FLEETCUDA_LAB_ROOT", "/var/lib/fleetcuda-lab"))
 BASE = LAB / "base"
+MINBASE = LAB / "minbase"  # Debian 12 minbase with python3 and nothing else: the apt stand-in tests' chroot
+DEBOOTSTRAP_CACHE = LAB / "debootstrap-cache"
 APT_REPO = LAB / "apt"
 WHEELHOUSE = LAB / "wheelhouse"
 IN_CONTAINER = "/srv/fleetcuda-lab"  # where the stand-ins appear inside containers
@@ -167,14 +169,29 @@ def build_standins() -> None:
     log(f"stand-ins ready: {APT_REPO} (NVIDIA apt), {WHEELHOUSE} (torch, fla-core, causal-conv1d)")
 
 
+# The default topology's image: Debian 12 with a host toolchain already in it (g++, the headers of its Python 3.11),
+# as an operator's own template often is; the real topology's is the bare Proxmox-like one, where the recipe has to
+# install them.  The stand-in torch fails a build without them as the real one does, so they are needed here.
+BASE_PACKAGES = ("python3", "python3-venv", "g++", "python3.11-dev")
+BASE_STAMP = ("debootstrap minbase bookworm: " + ",".join(BASE_PACKAGES)
+              + "; /root/venv: torch==2.11.0+cu128 packaging\n")
+
+
 def build_base() -> None:
-    if (BASE / ".fleetcuda-complete").exists():
+    stamp = BASE / ".fleetcuda-complete"
+    if _stamped(stamp, BASE_STAMP):
         return
+    if BASE.exists():
+        if _overlay_users(BASE):
+            raise SystemExit(f"labctl: {BASE} is out of date and containers run on it; "
+                                 "`labctl down` (and the bench topologies down) first, then `up` rebuilds it")
+        log(f"{BASE} is out of date ({BASE_STAMP.strip()}): rebuilding it")
+        shutil.rmtree(BASE)
     tmp = LAB / "base.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    log("debootstrap of Debian 12 (minbase, python3, python3-venv); about a minute")
-    run("debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", tmp, debian_mirror())
+    log(f"debootstrap of Debian 12 (minbase, {', '.join(BASE_PACKAGES)}); a minute or two")
+    debootstrap(tmp, BASE_PACKAGES)
     # Containers are offline: the only apt source they may get is the stand-in NVIDIA repository.
     (tmp / "etc/apt/sources.list").write_text("")
     # The training venv of the seeds: torch built for CUDA 12.8, pip, setuptools and packaging (which
@@ -188,8 +205,45 @@ def build_base() -> None:
             f"{IN_CONTAINER}/wheelhouse", "torch==2.11.0+cu128", "packaging")
     finally:
         run("umount", mnt)
-    (tmp / ".fleetcuda-complete").write_text("")
+    (tmp / ".fleetcuda-complete").write_text(BASE_STAMP)
     tmp.rename(BASE)
+
+
+def debootstrap(root: Path, packages: tuple[str, ...]) -> None:
+    # One download cache for the lab's trees: the second one fetches only what the first lacked.
+    DEBOOTSTRAP_CACHE.mkdir(parents=True, exist_ok=True)
+    run("debootstrap", "--variant=minbase", f"--cache-dir={DEBOOTSTRAP_CACHE}", "--include=" + ",".join(packages),
+        "bookworm", root, debian_mirror())
+
+
+def build_minbase() -> None:
+    """A compiler-free Debian 12 (minbase, python3): tests/test_standin_apt.py and test_standin_cuda13.py chroot
+    into copies of it (nvcc there must find no host compiler, as in a fresh template)."""
+    stamp = MINBASE / ".fleetcuda-complete"
+    want = "debootstrap minbase bookworm: python3\n"
+    if _stamped(stamp, want):
+        return
+    tmp = LAB / "minbase.tmp"
+    for old in (tmp, MINBASE):
+        if old.exists():
+            shutil.rmtree(old)
+    log("debootstrap of a compiler-free Debian 12 (minbase, python3) for the apt stand-in tests")
+    debootstrap(tmp, ("python3",))
+    (tmp / "etc/apt/sources.list").write_text("")
+    (tmp / ".fleetcuda-complete").write_text(want)
+    tmp.rename(MINBASE)
+
+
+def _overlay_users(lower: Path) -> list[str]:
+    """PIDs whose mount namespace has an overlay on ``lower`` (containers mount their rootfs in their own)."""
+    users = []
+    for info in Path("/proc").glob("[0-9]*/mountinfo"):
+        try:
+            if f"lowerdir={lower}," in info.read_text(encoding="utf-8", errors="replace"):
+                users.append(info.parent.name)
+        except OSError:
+            continue
+    return users
 
 
 def _stamped(path: Path, want: str) -> bool:
@@ -544,6 +598,7 @@ def up(topology: str = "default") -> None:
         build_real()
     else:
         build_standins()
+        build_minbase()
         build_base()
     ensure_keys()
     ensure_users()

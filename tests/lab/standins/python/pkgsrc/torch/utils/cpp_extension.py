@@ -11,7 +11,11 @@ What it reproduces, with torch's own messages:
 - ``BuildExtension``: falls back to "the slow distutils backend" when ``ninja --version`` cannot run (ninja must be on
   PATH; being importable is not enough), checks the CUDA version before compiling, then pretends to compile: it
   prints ninja/nvcc-like lines for the -gencode archs it was given, sleeps ``standin_compile_seconds`` (three times as
-  long without ninja) and writes a placeholder file where the shared object would be.  It never runs a compiler.
+  long without ninja) and writes a placeholder file where the shared object would be.  It never runs a compiler, but
+  fails as the real compile does where one would not start: no ``c++`` (``CXX``) on PATH for .cpp sources and the
+  link, no ``gcc`` on PATH for nvcc's host compiler, no ``Python.h`` in the interpreter's include directory (torch's
+  headers include it); with ninja torch then raises "Error compiling objects for extension", without it
+  setuptools' "command ... failed".
 """
 
 import logging
@@ -20,11 +24,13 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from typing import Any
 
 from setuptools import Extension
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 import torch
 
@@ -230,6 +236,7 @@ class BuildExtension(build_ext):
         total = len(sources) + 1
         seconds = float(self.standin_compile_seconds) * (1 if self.use_ninja else 3)
         step = seconds / max(len(sources), 1)
+        failed = False
         for i, src in enumerate(sources, 1):
             obj = os.path.join(temp, os.path.splitext(os.path.basename(src))[0] + ".o")
             if src.endswith(".cu"):
@@ -237,14 +244,48 @@ class BuildExtension(build_ext):
             else:
                 cmd = f"{get_cxx_compiler()} -c {src} -o {obj} -O3 -fPIC -std=c++17"
             print(f"[{i}/{total}] {cmd}" if self.use_ninja else cmd, flush=True)
+            error = _compile_error(src)
+            if error is not None:
+                exe, text = error
+                if not self.use_ninja:
+                    print(text, flush=True)
+                    raise CompileError(f"command '{exe}' failed with exit code 1")
+                print(f"FAILED: {obj}\n{cmd}\n{text}", flush=True)
+                failed = True
+                continue
             if src.endswith(".cu"):
                 for arch in archs:
                     print(f"ptxas info    : Compiling entry function for '{arch}' (fleetcuda stand-in)", flush=True)
             time.sleep(step)
+        if failed:
+            print("ninja: build stopped: subcommand failed.", flush=True)
+            raise RuntimeError("Error compiling objects for extension")
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         link = f"{get_cxx_compiler()} -shared -o {target}"
         print(f"[{total}/{total}] {link}" if self.use_ninja else link, flush=True)
+        if shutil.which(get_cxx_compiler()) is None:
+            print(f"/bin/sh: 1: {get_cxx_compiler()}: not found", flush=True)
+            raise RuntimeError("Error building extension") if self.use_ninja else CompileError(
+                f"command '{get_cxx_compiler()}' failed: No such file or directory")
         with open(target, "w", encoding="utf-8") as fh:
             # Not ELF: importing it fails loudly instead of pretending to be a kernel library.
             fh.write("fleetcuda lab stand-in: placeholder for a compiled extension, not a shared object\n")
+
+
+def _compile_error(src: str) -> tuple[str, str] | None:
+    """(the compiler, what it prints) where the real compile of ``src`` could not start, else None."""
+    if src.endswith(".cu"):
+        # nvcc runs the host compiler (gcc on PATH) before it compiles anything.
+        if shutil.which("gcc") is None:
+            return "nvcc", ("gcc: No such file or directory\n"
+                            "nvcc fatal   : Failed to preprocess host compiler properties.")
+        return None
+    cxx = get_cxx_compiler()
+    if shutil.which(cxx) is None:
+        return cxx, f"/bin/sh: 1: {cxx}: not found"
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        header = os.path.join(_TORCH_PATH, "include", "torch", "csrc", "python_headers.h")
+        return cxx, (f"{header}:12:10: fatal error: Python.h: No such file or directory\n"
+                     "   12 | #include <Python.h>\n      |          ^~~~~~~~~~\ncompilation terminated.")
+    return None
