@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 import zipfile
@@ -73,10 +74,15 @@ def build(outdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def fake_cuda_home(root: Path, release: str, build: str) -> Path:
-    """A CUDA_HOME whose bin/nvcc only answers -V / --version, as the real one prints it."""
+def fake_cuda_home(root: Path, release: str, build: str, headers: bool = True) -> Path:
+    """A CUDA_HOME whose bin/nvcc only answers -V / --version, as the real one prints it; with headers, the two that
+    a compile needs first (nvcc force-includes cuda_runtime.h; torch's c10/cuda headers include cuda_runtime_api.h)."""
     nvcc = root / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
+    if headers:
+        (root / "include").mkdir()
+        for header in ("cuda_runtime.h", "cuda_runtime_api.h"):
+            (root / "include" / header).write_text("/* test double */\n")
     nvcc.write_text(
         "#!/bin/sh\n"
         "echo 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
@@ -85,6 +91,30 @@ def fake_cuda_home(root: Path, release: str, build: str) -> Path:
         f"echo 'Build cuda_{release}.r{release}/compiler.00000000_0'\n"
     )
     nvcc.chmod(0o755)
+    return root
+
+
+def host_toolchain(root: Path, version: str = "12.2.0") -> Path:
+    """gcc/g++/c++ (and Debian's x86_64-linux-gnu- names) that answer only the questions torch asks (-dumpfullversion
+    -dumpversion, -v) and fail with 99 if anything runs them to compile: the stand-in must never compile."""
+    root.mkdir()
+    (root / "g++").write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in -dumpfullversion|-dumpversion) echo {version}; exit 0;;\n'
+        f'  -v) echo "COLLECT_GCC=$0" >&2; echo "gcc version {version} (Debian {version}-14)" >&2; exit 0;; esac\n'
+        "echo 'test double: the stand-in must not run a compiler' >&2\nexit 99\n"
+    )
+    (root / "g++").chmod(0o755)
+    # As on Debian, c++ resolves to g++ (through /etc/alternatives), so torch's realpath test accepts it.
+    for name in ("gcc", "c++", "x86_64-linux-gnu-g++", "x86_64-linux-gnu-gcc"):
+        (root / name).symlink_to("g++")
+    return root
+
+
+def fake_tool(root: Path, name: str, script: str) -> Path:
+    root.mkdir(exist_ok=True)
+    (root / name).write_text("#!/bin/sh\n" + script)
+    (root / name).chmod(0o755)
     return root
 
 
@@ -309,6 +339,144 @@ def test_nvcc_torch_cuda_check(torch_site: Path, tmp_path: Path) -> None:
     assert "'13.0', '12.8')" in major.stderr
 
 
+# The stand-in BuildExtension against real torch 2.11's checks (torch/utils/cpp_extension.py), with this Python's
+# setuptools: the C++ compiler torch checks is setuptools' (sysconfig CXX, else $CXX), not c++.
+CXX = (sysconfig.get_config_var("CXX") or "c++").split()[0]
+EXT_SETUP = """
+import os
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+nvcc = os.environ["TEST_NVCC_FLAGS"].split()
+setup(name="ext", ext_modules=[CUDAExtension("ext_cuda", ["a.cpp", "b.cu"],
+                                             extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc})],
+      cmdclass={"build_ext": BuildExtension})
+"""
+ARCH_FLAGS = "-O3 -gencode arch=compute_90,code=sm_90"
+
+
+def standin_build_ext(site: Path, where: Path, path: list[Path], nvcc_flags: str = ARCH_FLAGS,
+                      **env: str) -> subprocess.CompletedProcess[str]:
+    """``setup.py build_ext`` of a CUDAExtension (a.cpp including a c10/cuda header, b.cu) with the stand-in torch."""
+    where.mkdir(exist_ok=True)
+    (where / "setup.py").write_text(EXT_SETUP)
+    (where / "a.cpp").write_text("#include <torch/extension.h>\n#include <c10/cuda/CUDAStream.h>\n")
+    (where / "b.cu").write_text("__global__ void k() {}\n")
+    base = {"PATH": os.pathsep.join(map(str, path)), "PYTHONPATH": str(site), "FLEETCUDA_STANDIN_NO_DEFAULT_CUDA": "1",
+            "TEST_NVCC_FLAGS": nvcc_flags, "HOME": str(where)}
+    return subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=where, env={**base, **env},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+
+
+def built(result: subprocess.CompletedProcess[str], where: Path) -> bool:
+    return result.returncode == 0 and any(where.glob("build/lib*/ext_cuda*.so"))
+
+
+def test_no_cxx_compiler_fails_torchs_version_check_before_compiling(torch_site: Path, tmp_path: Path) -> None:
+    # torch: get_compiler_abi_compatibility_and_version -> (False, 0.0.0) with the wrong-compiler warning, then
+    # _check_cuda_version's bounds raise (cpp_extension.py:488-490, 567-572).  No compile is attempted.
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = fake_tool(tmp_path / "tools", "ninja", 'echo 1.13.1\n')
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda))
+    assert result.returncode != 0
+    assert f"Your compiler ({CXX}) is not compatible with the compiler Pytorch was" in result.stdout
+    assert (f"RuntimeError: The current installed version of {CXX} (0.0.0) is less than the minimum required version "
+            f"by CUDA 12.8 (6.0.0). Please make sure to use an adequate version of {CXX} (>=6.0.0, <14.0)."
+            ) in result.stdout, result.stdout
+    assert "not found" not in result.stdout and "[1/3]" not in result.stdout
+
+
+def test_compiler_of_another_family_is_refused(torch_site: Path, tmp_path: Path) -> None:
+    # torch's check_compiler_ok_for_platform: neither the resolved path nor `icpx -v` says gcc/clang.  (Its test is
+    # a substring of the whole path: a directory named after gcc would pass, so this test's name avoids one.)
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools")
+    fake_tool(tools, "icpx", 'echo "Intel(R) oneAPI DPC++/C++ Compiler 2025.0.4"\n')
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda), CXX="icpx")
+    assert result.returncode != 0
+    assert "Your compiler (icpx) is not compatible with the compiler Pytorch was" in result.stdout
+    assert "RuntimeError: The current installed version of icpx (0.0.0) is less than the minimum" in result.stdout
+
+
+@pytest.mark.parametrize(("release", "gcc", "error"), [
+    ("12.8", "14.2.0", "RuntimeError: The current installed version of {cxx} (14.2.0) is greater than the maximum "
+                       "required version by CUDA 12.8. Please make sure to use an adequate version of {cxx} "
+                       "(>=6.0.0, <14.0)."),
+    ("12.8", "5.4.0", "RuntimeError: The current installed version of {cxx} (5.4.0) is less than the minimum "
+                      "required version by CUDA 12.8 (6.0.0)."),
+    ("12.8", "13.3.0", None),
+], ids=["gcc14-too-new-for-12.8", "gcc5-too-old", "gcc13-ok"])
+def test_host_compiler_version_bounds(torch_site: Path, tmp_path: Path, release: str, gcc: str,
+                                      error: str | None) -> None:
+    cuda = fake_cuda_home(tmp_path / "cuda", release, f"V{release}.93")
+    tools = host_toolchain(tmp_path / "tools", gcc)
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda))
+    if error is None:
+        assert built(result, tmp_path / "src"), result.stdout
+    else:
+        assert result.returncode != 0
+        assert error.format(cxx=CXX) in result.stdout, result.stdout
+    #    TORCH_DONT_CHECK_COMPILER_ABI skips torch's checks, as in torch.
+    skipped = standin_build_ext(torch_site, tmp_path / "src2", [tools], CUDA_HOME=str(cuda),
+                                TORCH_DONT_CHECK_COMPILER_ABI="1")
+    assert built(skipped, tmp_path / "src2"), skipped.stdout
+
+
+def test_compiler_that_cannot_say_its_version(torch_site: Path, tmp_path: Path) -> None:
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = fake_tool(tmp_path / "tools", CXX, "exit 1\n")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda))
+    assert result.returncode != 0
+    assert f"Error checking compiler version for {CXX}" in result.stdout
+    assert f"The current installed version of {CXX} (0.0.0) is less than the minimum" in result.stdout
+
+
+@pytest.mark.parametrize("ninja", [True, False], ids=["ninja", "distutils"])
+def test_cuda_home_without_headers_fails_the_compile(torch_site: Path, tmp_path: Path, ninja: bool) -> None:
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93", headers=False)
+    tools = host_toolchain(tmp_path / "tools")
+    if ninja:
+        fake_tool(tools, "ninja", "echo 1.13.1\n")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda))
+    assert result.returncode != 0
+    assert "fatal error: cuda_runtime_api.h: No such file or directory" in result.stdout  # a.cpp, via c10/cuda
+    if ninja:
+        assert "<command-line>: fatal error: cuda_runtime.h: No such file or directory" in result.stdout  # b.cu
+        assert "RuntimeError: Error compiling objects for extension" in result.stdout
+    else:
+        # setuptools stops at the first source; what it compiles a .cpp with depends on its version.
+        assert "failed with exit code 1" in result.stdout and "cuda_runtime.h:" not in result.stdout
+
+
+@pytest.mark.parametrize(("arch_list", "error"), [
+    (None, "IndexError: list index out of range"),
+    ("native", "IndexError: list index out of range"),
+    ("8.0;9.1", "ValueError: Unknown CUDA arch (9.1) or GPU not supported"),
+    ("Hopper 12.0", None),
+], ids=["unset-no-gpu", "native-no-gpu", "unknown-arch", "named"])
+def test_torch_cuda_arch_list_without_arch_flags(torch_site: Path, tmp_path: Path, arch_list: str | None,
+                                                 error: str | None) -> None:
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools")
+    env = {"CUDA_HOME": str(cuda)} | ({"TORCH_CUDA_ARCH_LIST": arch_list} if arch_list else {})
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], nvcc_flags="-O3", **env)
+    if error is None:
+        assert built(result, tmp_path / "src"), result.stdout
+        assert "-gencode arch=compute_90,code=sm_90" in result.stdout
+        assert "-gencode arch=compute_120,code=sm_120" in result.stdout
+    else:
+        assert result.returncode != 0 and error in result.stdout, result.stdout
+    #    With an arch flag of its own (causal-conv1d's case), torch ignores TORCH_CUDA_ARCH_LIST, even a wrong one.
+    own = standin_build_ext(torch_site, tmp_path / "own", [tools], CUDA_HOME=str(cuda), TORCH_CUDA_ARCH_LIST="9.1")
+    assert built(own, tmp_path / "own"), own.stdout
+
+
+def test_cuda_extension_without_cuda_home(torch_site: Path, tmp_path: Path) -> None:
+    result = standin_build_ext(torch_site, tmp_path / "src", [host_toolchain(tmp_path / "tools")])
+    assert result.returncode != 0
+    assert ("OSError: CUDA_HOME environment variable is not set. Please set it to your CUDA install root."
+            in result.stdout), result.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # In a fresh venv, offline, with the downloaded tools.
 
@@ -365,6 +533,12 @@ def test_causal_conv1d_failure_chain(wheelhouse: Path, python311: str, tmp_path:
     failed_with(install_chain(venv, wheelhouse, CUDA_HOME=str(no_nvcc)),
                 f"FileNotFoundError: [Errno 2] No such file or directory: '{no_nvcc}/bin/nvcc'")
 
+    #    nvcc there but not executable: the same subprocess call in setup.py, PermissionError.
+    not_exec = fake_cuda_home(tmp_path / "cuda-not-executable", "12.8", "V12.8.93")
+    (not_exec / "bin" / "nvcc").chmod(0o644)
+    failed_with(install_chain(venv, wheelhouse, CUDA_HOME=str(not_exec)),
+                f"PermissionError: [Errno 13] Permission denied: '{not_exec}/bin/nvcc'")
+
     # 4. nvcc 12.8 but no CAUSAL_CONV1D_FORCE_BUILD=TRUE (only that exact string counts): the prebuilt-wheel download
     #    fails offline, and a URLError is not an HTTPError, so there is no fallback to a source build.
     for force in (None, "true"):
@@ -375,24 +549,35 @@ def test_causal_conv1d_failure_chain(wheelhouse: Path, python311: str, tmp_path:
                     "<urlopen error [Errno -3] Temporary failure in name resolution>")
 
     # 5. FORCE_BUILD=TRUE with the build tools from the wheelhouse and ninja on PATH, but no host compiler (a fresh
-    #    Proxmox template has none): the compile fails as the real one does, for the .cpp (c++) and for nvcc's host
-    #    compiler (gcc), and nothing is installed.
+    #    Proxmox template has none): torch refuses before compiling anything.  It asks setuptools' C++ compiler (this
+    #    Python's sysconfig CXX: x86_64-linux-gnu-g++ for Debian's), finds none, warns, takes its version for 0.0.0
+    #    and _check_cuda_version's host compiler bounds raise (torch/utils/cpp_extension.py:488-490, 567-572).
+    #    Nothing is installed.
+    cxx = venv.py("import sysconfig; print(sysconfig.get_config_var('CXX').split()[0])").stdout.strip()
+    no_compiler = (f"Your compiler ({cxx}) is not compatible with the compiler Pytorch was",
+                   f"RuntimeError: The current installed version of {cxx} (0.0.0) is less than the minimum required "
+                   f"version by CUDA 12.8 (6.0.0). Please make sure to use an adequate version of {cxx} (>=6.0.0, "
+                   "<14.0).")
     assert venv.pip(wheelhouse, "setuptools<76", "ninja").returncode == 0
-    failed_with(install_chain(venv, wheelhouse, path=[bin_dir], CUDA_HOME=str(cuda128),
-                              CAUSAL_CONV1D_FORCE_BUILD="TRUE", CAUSAL_CONV1D_STANDIN_SECONDS="0"),
-                "/bin/sh: 1: c++: not found", "nvcc fatal   : Failed to preprocess host compiler properties.",
-                "ninja: build stopped: subcommand failed.", "RuntimeError: Error compiling objects for extension")
+    result = install_chain(venv, wheelhouse, path=[bin_dir], CUDA_HOME=str(cuda128), CAUSAL_CONV1D_FORCE_BUILD="TRUE",
+                           CAUSAL_CONV1D_STANDIN_SECONDS="0")
+    failed_with(result, *no_compiler)
+    assert "not found" not in result.stdout and NINJA_FALLBACK not in result.stdout
     assert "causal_conv1d" not in venv.py("import importlib.metadata as m; print([d.name for d in m.distributions()])",
                                           ).stdout.replace("-", "_")
-    #    Without ninja, setuptools' own failure for the first source.
+    #    Without ninja: the same refusal, after the fallback warning.
     failed_with(install_chain(venv, wheelhouse, CUDA_HOME=str(cuda128), CAUSAL_CONV1D_FORCE_BUILD="TRUE"),
-                "command 'c++' failed with exit code 1")
-    #    Only being on PATH matters to the stand-in (it never runs a compiler): these fail if they are ever run.
-    tools = tmp_path / "host-toolchain"
-    tools.mkdir()
-    for name in ("c++", "gcc"):
-        (tools / name).write_text("#!/bin/sh\necho 'test double: the stand-in must not run a compiler' >&2\nexit 99\n")
-        (tools / name).chmod(0o755)
+                NINJA_FALLBACK, *no_compiler)
+    #    The stand-in never compiles: these answer only torch's version questions and fail with 99 otherwise.
+    tools = host_toolchain(tmp_path / "host-toolchain")
+    #    g++ but no gcc: torch's checks pass, then nvcc cannot run its host compiler for the .cu sources.
+    cxx_only = host_toolchain(tmp_path / "cxx-only")
+    for name in ("gcc", "x86_64-linux-gnu-gcc"):
+        (cxx_only / name).unlink()
+    failed_with(install_chain(venv, wheelhouse, path=[bin_dir, cxx_only], CUDA_HOME=str(cuda128),
+                              CAUSAL_CONV1D_FORCE_BUILD="TRUE", CAUSAL_CONV1D_STANDIN_SECONDS="0"),
+                "gcc: No such file or directory", "nvcc fatal   : Failed to preprocess host compiler properties.",
+                "ninja: build stopped: subcommand failed.", "RuntimeError: Error compiling objects for extension")
 
     # 6. With a host compiler too: it builds and installs.
     result = install_chain(venv, wheelhouse, path=[bin_dir, tools], verbose=True, cache=True, CUDA_HOME=str(cuda128),
