@@ -470,6 +470,40 @@ def test_torch_cuda_arch_list_without_arch_flags(torch_site: Path, tmp_path: Pat
     assert built(own, tmp_path / "own"), own.stdout
 
 
+@pytest.mark.parametrize(("release", "arch_list", "error"), [
+    ("12.8", "12.1", "nvcc fatal   : Unsupported gpu architecture 'compute_121'"),
+    ("12.9", "12.1", None),
+    ("12.8", "10.0;12.0", None),
+], ids=["sm121-unknown-to-12.8", "sm121-with-12.9", "blackwell-with-12.8"])
+def test_nvcc_refuses_archs_it_does_not_know(torch_site: Path, tmp_path: Path, release: str, arch_list: str,
+                                             error: str | None) -> None:
+    # torch accepts 12.1 (its list has it); nvcc 12.8 does not know sm_121 (12.9 added it).
+    cuda = fake_cuda_home(tmp_path / "cuda", release, f"V{release}.93")
+    tools = host_toolchain(tmp_path / "tools")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], nvcc_flags="-O3", CUDA_HOME=str(cuda),
+                               TORCH_CUDA_ARCH_LIST=arch_list)
+    if error is None:
+        assert built(result, tmp_path / "src"), result.stdout
+    else:
+        assert result.returncode != 0 and error in result.stdout, result.stdout
+        assert "failed with exit code 1" in result.stdout  # no ninja here: setuptools runs nvcc itself
+
+
+def test_gcc_newer_than_nvccs_host_config_when_torch_does_not_check(torch_site: Path, tmp_path: Path) -> None:
+    # TORCH_DONT_CHECK_COMPILER_ABI skips torch's bounds; nvcc 12.8's crt/host_config.h still refuses gcc 15.
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools", "15.2.0")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda),
+                               TORCH_DONT_CHECK_COMPILER_ABI="1")
+    assert result.returncode != 0
+    assert (f"{cuda}/bin/../targets/x86_64-linux/include/crt/host_config.h:143:2: error: #error -- unsupported GNU "
+            "version! gcc versions later than 14 are not supported!") in result.stdout, result.stdout
+    allowed = standin_build_ext(torch_site, tmp_path / "src2", [tools], CUDA_HOME=str(cuda),
+                                TORCH_DONT_CHECK_COMPILER_ABI="1", TEST_NVCC_FLAGS=f"{ARCH_FLAGS} "
+                                "-allow-unsupported-compiler")
+    assert built(allowed, tmp_path / "src2"), allowed.stdout
+
+
 def test_cuda_extension_without_cuda_home(torch_site: Path, tmp_path: Path) -> None:
     result = standin_build_ext(torch_site, tmp_path / "src", [host_toolchain(tmp_path / "tools")])
     assert result.returncode != 0

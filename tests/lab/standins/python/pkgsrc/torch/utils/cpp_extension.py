@@ -15,7 +15,8 @@ What it reproduces, with torch's own messages:
   and version 0.0.0; its ``-dumpfullversion -dumpversion`` gives the version; then nvcc's major must match torch's
   and the compiler's version must lie within torch's bounds for that nvcc release ("The current installed version of
   g++ (14.2.0) is greater than the maximum required version by CUDA 12.8..."; 0.0.0 is "less than the minimum"), unless
-  TORCH_DONT_CHECK_COMPILER_ABI is set.  Those version questions are the only times it runs a compiler.
+  TORCH_DONT_CHECK_COMPILER_ABI is set.  Those version questions (and nvcc's --version) are the only times it runs
+  a compiler.
 - ``CUDAExtension`` and ``include_paths``/``library_paths("cuda")`` raise torch's OSError without a CUDA_HOME.
   Arch flags: an nvcc flag naming an arch (causal-conv1d's -gencode) makes torch ignore TORCH_CUDA_ARCH_LIST; else
   the list is expanded and checked ("Unknown CUDA arch (9.1) or GPU not supported"), and unset or "native" with no
@@ -25,10 +26,13 @@ What it reproduces, with torch's own messages:
   ``standin_compile_seconds`` (three times as long without ninja), writes placeholder objects and a placeholder file
   where the shared object would be.  It never compiles, but fails as the real compile does where one could not get
   going: no ``c++`` (``CXX``) on PATH for the ninja .cpp rule (setuptools' compiler_so_cxx / compiler_so without
-  ninja); no host compiler for nvcc (``$CC``, passed as -ccbin, else ``gcc``); no ``cuda_runtime.h`` in
-  ``$CUDA_HOME/include`` for .cu sources, no ``cuda_runtime_api.h`` for a .cpp that includes a c10/cuda or ATen/cuda
-  header; no ``Python.h`` in the interpreter's include directory (torch's headers include it); no C++ linker.  With
-  ninja torch then raises "Error compiling objects for extension", without it setuptools' "command ... failed".
+  ninja); for .cu sources, what nvcc refuses, in its order: an arch its release does not know ("nvcc fatal   :
+  Unsupported gpu architecture 'compute_121'" from 12.8), no host compiler (``$CC``, passed as -ccbin, else ``gcc``),
+  no ``cuda_runtime.h`` in ``$CUDA_HOME/include``, a gcc newer than its crt/host_config.h allows (asked with
+  ``-dumpversion``; 12.8 takes up to 14, 13.0 up to 15; torch's own bounds are stricter for 12.8); for a .cpp that
+  includes a c10/cuda or ATen/cuda header, no ``cuda_runtime_api.h``; no ``Python.h`` in the interpreter's include
+  directory (torch's headers include it); no C++ linker.  With ninja torch then raises "Error compiling objects for
+  extension", without it setuptools' "command ... failed".
 """
 
 import logging
@@ -443,7 +447,7 @@ class BuildExtension(build_ext):
                 exe = get_cxx_compiler() if self.use_ninja else self._distutils_cxx(src)
                 cmd = f"{exe} -c {src} -o {obj} -O3 -fPIC -std=c++17"
             print(f"[{i}/{total}] {cmd}" if self.use_ninja else cmd, flush=True)
-            text = _compile_error(src, exe)
+            text = _compile_error(src, exe, nvcc_args)
             if text is not None:
                 if not self.use_ninja:
                     # setuptools' spawn runs the compiler itself (no shell): the path shutil.which finds, else
@@ -484,22 +488,69 @@ class BuildExtension(build_ext):
         return self.compiler.compiler_so[0]
 
 
+# What nvcc itself refuses (torch does not check either).  `nvcc --list-gpu-arch` of the real 13.0.88; 12.8 and 12.9
+# per NVIDIA's release notes (12.9 added 103 and 121; 13.0 dropped 50-72 and renamed 101 to 110).
+_NVCC_12_8 = {"50", "52", "53", "60", "61", "62", "70", "72", "75", "80", "86", "87", "89", "90", "100", "101", "120"}
+NVCC_ARCHS = {
+    "12.8": _NVCC_12_8,
+    "12.9": _NVCC_12_8 | {"103", "121"},
+    "13.0": {"75", "80", "86", "87", "88", "89", "90", "100", "103", "110", "120", "121"},
+}
+# crt/host_config.h's "#if __GNUC__ > N" and the line of its #error, read in NVIDIA's 12.8.93 and 13.0.88 headers.
+NVCC_GCC_MAX = {"12.8": (14, 143), "13.0": (15, 137)}
+_NVCC_RELEASES: dict[str, str | None] = {}
+
+
+def _nvcc_release_of(nvcc: str) -> str | None:
+    if nvcc not in _NVCC_RELEASES:
+        try:
+            out = subprocess.check_output([nvcc, "--version"]).decode()
+        except (OSError, subprocess.CalledProcessError):
+            out = ""
+        found = re.search(r"release (\d+[.]\d+)", out)
+        _NVCC_RELEASES[nvcc] = found.group(1) if found else None
+    return _NVCC_RELEASES[nvcc]
+
+
+def _nvcc_error(nvcc: str, nvcc_args: list[str]) -> str | None:
+    """What nvcc prints where it stops before compiling a .cu, in its order: an arch it does not know, no host
+    compiler, no cuda_runtime.h (it force-includes it), a gcc newer than its crt/host_config.h accepts."""
+    release = _nvcc_release_of(nvcc)
+    flat = " ".join(a for a in nvcc_args if isinstance(a, str))
+    for arch in re.findall(r"(?:compute|sm)_(\d+)[af]?", flat):
+        if release in NVCC_ARCHS and arch not in NVCC_ARCHS[release]:
+            kind = "compute" if f"compute_{arch}" in flat else "sm"
+            return f"nvcc fatal   : Unsupported gpu architecture '{kind}_{arch}'"
+    # nvcc runs the host compiler (-ccbin $CC, which torch adds when CC is set, else gcc on PATH) first.
+    host = os.getenv("CC") or "gcc"
+    if shutil.which(host) is None:
+        return (f"{host}: No such file or directory\n"
+                "nvcc fatal   : Failed to preprocess host compiler properties.")
+    if not os.path.exists(os.path.join(_join_cuda_home("include"), "cuda_runtime.h")):
+        return "<command-line>: fatal error: cuda_runtime.h: No such file or directory\ncompilation terminated."
+    if release in NVCC_GCC_MAX and "-allow-unsupported-compiler" not in flat:
+        try:
+            major = int(subprocess.check_output([host, "-dumpversion"]).decode().strip().split(".")[0])
+        except (OSError, subprocess.CalledProcessError, ValueError):
+            return None
+        limit, line = NVCC_GCC_MAX[release]
+        if major > limit:
+            header = os.path.join(os.path.dirname(nvcc), "..", "targets", "x86_64-linux", "include", "crt",
+                                  "host_config.h")
+            return (f"{header}:{line}:2: error: #error -- unsupported GNU version! gcc versions later than {limit} "
+                    "are not supported! The nvcc flag '-allow-unsupported-compiler' can be used to override this "
+                    "version check; however, using an unsupported host compiler may cause compilation failure or "
+                    "incorrect run time execution. Use at your own risk.")
+    return None
+
+
 _CUDA_HEADER = re.compile(r"^\s*#\s*include\s*<(c10/cuda/|ATen/cuda/|cuda_runtime|cuda\.h)", re.MULTILINE)
 
 
-def _compile_error(src: str, exe: str) -> str | None:
+def _compile_error(src: str, exe: str, nvcc_args: list[str]) -> str | None:
     """What the compile of ``src`` by ``exe`` prints where the real one could not get going, else None."""
     if src.endswith(".cu"):
-        nvcc_include = _join_cuda_home("include")
-        # nvcc runs the host compiler (-ccbin $CC, which torch adds when CC is set, else gcc on PATH) first.
-        host = os.getenv("CC") or "gcc"
-        if shutil.which(host) is None:
-            return (f"{host}: No such file or directory\n"
-                    "nvcc fatal   : Failed to preprocess host compiler properties.")
-        if not os.path.exists(os.path.join(nvcc_include, "cuda_runtime.h")):
-            # nvcc force-includes cuda_runtime.h from $CUDA_HOME/include into every .cu.
-            return "<command-line>: fatal error: cuda_runtime.h: No such file or directory\ncompilation terminated."
-        return None
+        return _nvcc_error(exe, nvcc_args)
     if shutil.which(exe) is None:
         return f"/bin/sh: 1: {exe}: not found"
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
