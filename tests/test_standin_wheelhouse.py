@@ -355,7 +355,7 @@ ARCH_FLAGS = "-O3 -gencode arch=compute_90,code=sm_90"
 
 
 def standin_build_ext(site: Path, where: Path, path: list[Path], nvcc_flags: str = ARCH_FLAGS,
-                      **env: str) -> subprocess.CompletedProcess[str]:
+                      args: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess[str]:
     """``setup.py build_ext`` of a CUDAExtension (a.cpp including a c10/cuda header, b.cu) with the stand-in torch."""
     where.mkdir(exist_ok=True)
     (where / "setup.py").write_text(EXT_SETUP)
@@ -363,7 +363,7 @@ def standin_build_ext(site: Path, where: Path, path: list[Path], nvcc_flags: str
     (where / "b.cu").write_text("__global__ void k() {}\n")
     base = {"PATH": os.pathsep.join(map(str, path)), "PYTHONPATH": str(site), "FLEETCUDA_STANDIN_NO_DEFAULT_CUDA": "1",
             "TEST_NVCC_FLAGS": nvcc_flags, "HOME": str(where)}
-    return subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=where, env={**base, **env},
+    return subprocess.run([sys.executable, "setup.py", "build_ext", *args], cwd=where, env={**base, **env},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
 
 
@@ -502,6 +502,38 @@ def test_gcc_newer_than_nvccs_host_config_when_torch_does_not_check(torch_site: 
                                 TORCH_DONT_CHECK_COMPILER_ABI="1", TEST_NVCC_FLAGS=f"{ARCH_FLAGS} "
                                 "-allow-unsupported-compiler")
     assert built(allowed, tmp_path / "src2"), allowed.stdout
+
+
+def test_ninja_that_answers_its_version_but_cannot_build(torch_site: Path, tmp_path: Path) -> None:
+    # torch only falls back when `ninja --version` fails; `ninja -v` then runs with check=True
+    # (cpp_extension.py:2774-2791): its failure is "Error compiling objects for extension".
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools")
+    fake_tool(tools, "ninja", 'case "$1" in --version) echo 1.13.1; exit 0;; esac\n'
+                              "echo \"ninja: error: test double for a broken ninja ($*)\"; exit 1\n")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda), MAX_JOBS="3")
+    assert result.returncode != 0
+    assert "ninja: error: test double for a broken ninja (-v -j 3)" in result.stdout, result.stdout
+    assert "RuntimeError: Error compiling objects for extension" in result.stdout
+    assert NINJA_FALLBACK not in result.stdout
+    #    MAX_JOBS that is not all digits is not passed (torch's _get_num_workers).
+    odd = standin_build_ext(torch_site, tmp_path / "src2", [tools], CUDA_HOME=str(cuda), MAX_JOBS="4x")
+    assert "broken ninja (-v)" in odd.stdout and "MAX_JOBS=4x (not a number" in odd.stdout, odd.stdout
+
+
+@pytest.mark.parametrize("ninja", [True, False], ids=["ninja", "distutils"])
+def test_build_directory_that_cannot_be_created(torch_site: Path, tmp_path: Path, ninja: bool) -> None:
+    # setuptools' mkpath of the object directory (the tests run as root, so a file stands in the way instead of a
+    # permission): DistutilsFileError "could not create ...".
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools")
+    if ninja:
+        fake_tool(tools, "ninja", "echo 1.13.1\n")
+    (tmp_path / "blocker").write_text("")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], args=("--build-temp", str(tmp_path / "blocker")),
+                               CUDA_HOME=str(cuda))
+    assert result.returncode != 0
+    assert f"error: could not create '{tmp_path / 'blocker'}': File exists" in result.stdout, result.stdout
 
 
 def test_cuda_extension_without_cuda_home(torch_site: Path, tmp_path: Path) -> None:

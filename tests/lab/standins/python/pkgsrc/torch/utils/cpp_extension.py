@@ -21,8 +21,10 @@ What it reproduces, with torch's own messages:
   Arch flags: an nvcc flag naming an arch (causal-conv1d's -gencode) makes torch ignore TORCH_CUDA_ARCH_LIST; else
   the list is expanded and checked ("Unknown CUDA arch (9.1) or GPU not supported"), and unset or "native" with no
   GPU raises torch's IndexError (list index out of range).
-- Then it pretends to compile: it creates the object directory as setuptools does (its "could not create" error),
-  writes build.ninja with ninja, prints ninja/nvcc-like lines for the -gencode archs, sleeps
+- Then it pretends to compile: it creates the object directory as setuptools does (its "could not create" error);
+  with ninja it writes a build.ninja without compile edges and runs ``ninja -v [-j MAX_JOBS]`` on it as torch runs
+  its own (a ninja that answers --version but cannot build fails with torch's "Error compiling objects for
+  extension"; MAX_JOBS is passed only when all digits); it prints ninja/nvcc-like lines for the -gencode archs, sleeps
   ``standin_compile_seconds`` (three times as long without ninja), writes placeholder objects and a placeholder file
   where the shared object would be.  It never compiles, but fails as the real compile does where one could not get
   going: no ``c++`` (``CXX``) on PATH for the ninja .cpp rule (setuptools' compiler_so_cxx / compiler_so without
@@ -415,14 +417,6 @@ class BuildExtension(build_ext):
         flat = " ".join(a for a in nvcc_args if isinstance(a, str))
         archs = sorted(set(re.findall(r"arch=compute_\w+,code=(sm_\w+)", flat)), key=lambda a: (len(a), a))
         archs = [a.split("code=")[-1] for a in nvcc_args if isinstance(a, str) and a.startswith("arch=")] or archs
-        temp = os.path.abspath(os.path.join(self.build_temp, "csrc"))
-        # As setuptools' _setup_compile: the object directory first ("could not create ...: Permission denied").
-        self.mkpath(temp)
-        if self.use_ninja:
-            # torch writes build.ninja into the build directory before running ninja.
-            with open(os.path.join(os.path.abspath(self.build_temp), "build.ninja"), "w", encoding="utf-8") as fh:
-                fh.write("# fleetcuda lab stand-in: no rules, the compile is pretended\nninja_required_version = 1.3\n")
-        nvcc = (os.getenv("PYTORCH_NVCC") if self.use_ninja else None) or _join_cuda_home("bin", "nvcc")
         max_jobs = os.environ.get("MAX_JOBS")
         if max_jobs is not None:
             # torch only logs this at debug level; the stand-in always echoes it so tests and logs can see it.
@@ -433,6 +427,13 @@ class BuildExtension(build_ext):
             else:
                 how = "ignored: distutils builds one file at a time"
             print(f"[fleetcuda stand-in] MAX_JOBS={max_jobs} ({how})", flush=True)
+        # torch's ninja path makes the build directory absolute; setuptools alone keeps it as given.
+        temp = os.path.join(os.path.abspath(self.build_temp) if self.use_ninja else self.build_temp, "csrc")
+        # As setuptools' _setup_compile: the object directory first ("could not create ...: Permission denied").
+        self.mkpath(temp)
+        if self.use_ninja:
+            self._standin_run_ninja(os.path.abspath(self.build_temp))
+        nvcc = (os.getenv("PYTORCH_NVCC") if self.use_ninja else None) or _join_cuda_home("bin", "nvcc")
         gencode = " ".join(f"-gencode arch=compute_{a.split('_')[-1]},code={a}" for a in archs)
         total = len(sources) + 1
         seconds = float(self.standin_compile_seconds) * (1 if self.use_ninja else 3)
@@ -479,6 +480,26 @@ class BuildExtension(build_ext):
         with open(target, "w", encoding="utf-8") as fh:
             # Not ELF: importing it fails loudly instead of pretending to be a kernel library.
             fh.write("fleetcuda lab stand-in: placeholder for a compiled extension, not a shared object\n")
+
+    @staticmethod
+    def _standin_run_ninja(build_dir: str) -> None:
+        """torch writes build.ninja and runs ``ninja -v [-j MAX_JOBS]`` there (check=True).  The stand-in runs the
+        same ninja on a file without compile edges, so a ninja that answers --version but cannot build fails here
+        with torch's error, and MAX_JOBS reaches it as torch passes it (only when it is all digits)."""
+        with open(os.path.join(build_dir, "build.ninja"), "w", encoding="utf-8") as fh:
+            fh.write("# fleetcuda lab stand-in: no compile edges, the compile is pretended\n"
+                     "ninja_required_version = 1.3\n\nbuild standin: phony\n")
+        command = ["ninja", "-v"]
+        max_jobs = os.environ.get("MAX_JOBS")
+        if max_jobs is not None and max_jobs.isdigit():
+            command += ["-j", max_jobs]
+        sys.stdout.flush()
+        try:
+            subprocess.run(command, cwd=build_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=True)
+        except subprocess.CalledProcessError as err:
+            # torch runs ninja with its output on stdout, and the error is the bare prefix.
+            print(err.output.decode(errors="replace"), end="", flush=True)
+            raise RuntimeError("Error compiling objects for extension") from err
 
     def _distutils_cxx(self, src: str) -> str:
         """What setuptools compiles a .cpp with: compiler_so_cxx (setuptools >= 73), else compiler_so (CC)."""
