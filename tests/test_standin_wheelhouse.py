@@ -536,6 +536,23 @@ def test_build_directory_that_cannot_be_created(torch_site: Path, tmp_path: Path
     assert f"error: could not create '{tmp_path / 'blocker'}': File exists" in result.stdout, result.stdout
 
 
+def test_no_python_headers_fails_the_cpp_compile(torch_site: Path, tmp_path: Path) -> None:
+    # This Python has Python.h; a sitecustomize points its include directory at an empty one instead.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sysconfig\n_paths = sysconfig.get_paths\n"
+        f"sysconfig.get_paths = lambda *a, **k: {{**_paths(*a, **k), 'include': {str(tmp_path / 'empty')!r}}}\n")
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda),
+                               PYTHONPATH=f"{hook}{os.pathsep}{torch_site}")
+    assert result.returncode != 0
+    assert ("torch/include/torch/csrc/python_headers.h:13:10: fatal error: Python.h: No such file or directory"
+            in result.stdout), result.stdout
+    assert "failed with exit code 1" in result.stdout
+
+
 def test_cuda_extension_without_cuda_home(torch_site: Path, tmp_path: Path) -> None:
     result = standin_build_ext(torch_site, tmp_path / "src", [host_toolchain(tmp_path / "tools")])
     assert result.returncode != 0

@@ -576,8 +576,9 @@ def _compile_error(src: str, exe: str, nvcc_args: list[str]) -> str | None:
         return f"/bin/sh: 1: {exe}: not found"
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         header = os.path.join(_TORCH_PATH, "include", "torch", "csrc", "python_headers.h")
-        return (f"{header}:12:10: fatal error: Python.h: No such file or directory\n"
-                "   12 | #include <Python.h>\n      |          ^~~~~~~~~~\ncompilation terminated.")
+        # Line 13 in torch 2.11's header (read), reached through torch/extension.h -> torch/python.h -> Device.h.
+        return (f"{header}:13:10: fatal error: Python.h: No such file or directory\n"
+                "   13 | #include <Python.h>\n      |          ^~~~~~~~~~\ncompilation terminated.")
     try:
         with open(src, encoding="utf-8", errors="replace") as fh:
             uses_cuda = _CUDA_HEADER.search(fh.read()) is not None
