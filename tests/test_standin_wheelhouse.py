@@ -521,6 +521,21 @@ def test_ninja_that_answers_its_version_but_cannot_build(torch_site: Path, tmp_p
     assert "broken ninja (-v)" in odd.stdout and "MAX_JOBS=4x (not a number" in odd.stdout, odd.stdout
 
 
+def test_cxx_compiler_there_but_no_cpp_for_ninjas_rule(torch_site: Path, tmp_path: Path) -> None:
+    # torch checks setuptools' compiler (found), then warns about c++ (the ninja rule's, missing) and ninja's compile
+    # of the .cpp fails: with Debian's g++ hidden, /etc/alternatives/c++ dangles while x86_64-linux-gnu-g++ stays.
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93")
+    tools = host_toolchain(tmp_path / "tools")
+    (tools / "c++").unlink()
+    fake_tool(tools, "ninja", "echo 1.13.1\n")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda))
+    assert result.returncode != 0
+    assert f"Your compiler ({CXX}) is not compatible" not in result.stdout
+    assert "Your compiler (c++) is not compatible with the compiler Pytorch was" in result.stdout
+    assert "/bin/sh: 1: c++: not found" in result.stdout
+    assert "RuntimeError: Error compiling objects for extension" in result.stdout
+
+
 @pytest.mark.parametrize("ninja", [True, False], ids=["ninja", "distutils"])
 def test_build_directory_that_cannot_be_created(torch_site: Path, tmp_path: Path, ninja: bool) -> None:
     # setuptools' mkpath of the object directory (the tests run as root, so a file stands in the way instead of a

@@ -8,7 +8,8 @@
 #   - CUDA_HOME without bin/nvcc: FileNotFoundError from subprocess.check_output.
 # Then, building the wheel (CachedWheelsCommand.run): without CAUSAL_CONV1D_FORCE_BUILD=TRUE the real one tries to
 # download a prebuilt wheel from GitHub; here the same URLError is raised without any network access.  With it,
-# torch's BuildExtension checks nvcc against torch.version.cuda and "compiles" (the stand-in torch's pretend compile).
+# torch's BuildExtension checks nvcc against torch.version.cuda and the host C++ compiler against nvcc's release, then
+# "compiles" (the stand-in torch's pretend compile).
 # Stand-in additions: CAUSAL_CONV1D_STANDIN_SECONDS (pretend compile time, default 4), CAUSAL_CONV1D_STANDIN_CPU_SECONDS
 # (CPU work spread over MAX_JOBS processes, default 0) and causal_conv1d/_build_info.py.
 

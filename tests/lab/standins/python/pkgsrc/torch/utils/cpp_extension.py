@@ -486,6 +486,10 @@ class BuildExtension(build_ext):
         """torch writes build.ninja and runs ``ninja -v [-j MAX_JOBS]`` there (check=True).  The stand-in runs the
         same ninja on a file without compile edges, so a ninja that answers --version but cannot build fails here
         with torch's error, and MAX_JOBS reaches it as torch passes it (only when it is all digits)."""
+        # _write_ninja_file_and_compile_objects' own checks first: ninja again (now an error), and get_cxx_compiler()
+        # (c++, the compiler of the ninja rule), whose warnings it prints but whose answer it ignores.
+        verify_ninja_availability()
+        get_compiler_abi_compatibility_and_version(get_cxx_compiler())
         with open(os.path.join(build_dir, "build.ninja"), "w", encoding="utf-8") as fh:
             fh.write("# fleetcuda lab stand-in: no compile edges, the compile is pretended\n"
                      "ninja_required_version = 1.3\n\nbuild standin: phony\n")
