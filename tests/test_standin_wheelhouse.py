@@ -74,15 +74,19 @@ def build(outdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def fake_cuda_home(root: Path, release: str, build: str, headers: bool = True) -> Path:
-    """A CUDA_HOME whose bin/nvcc only answers -V / --version, as the real one prints it; with headers, the two that
-    a compile needs first (nvcc force-includes cuda_runtime.h; torch's c10/cuda headers include cuda_runtime_api.h)."""
+def fake_cuda_home(root: Path, release: str, build: str, headers: bool = True, cudart: bool = True) -> Path:
+    """A CUDA_HOME whose bin/nvcc only answers -V / --version, as the real one prints it; with headers, cudart's
+    cuda_runtime.h only, as the lab's apt stand-in of cuda-cudart-dev ships it (the real one has cuda_runtime_api.h
+    and the rest too); with cudart, lib64/libcudart.so for the link."""
     nvcc = root / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
     if headers:
         (root / "include").mkdir()
-        for header in ("cuda_runtime.h", "cuda_runtime_api.h"):
-            (root / "include" / header).write_text("/* test double */\n")
+        (root / "include" / "cuda_runtime.h").write_text("/* test double */\n")
+    if cudart:
+        (root / "lib64").mkdir()
+        (root / "lib64" / "libcudart.so.12.8.90").write_text("test double, not a library\n")
+        (root / "lib64" / "libcudart.so").symlink_to("libcudart.so.12.8.90")
     nvcc.write_text(
         "#!/bin/sh\n"
         "echo 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
@@ -566,6 +570,16 @@ def test_no_python_headers_fails_the_cpp_compile(torch_site: Path, tmp_path: Pat
     assert ("torch/include/torch/csrc/python_headers.h:13:10: fatal error: Python.h: No such file or directory"
             in result.stdout), result.stdout
     assert "failed with exit code 1" in result.stdout
+
+
+def test_no_libcudart_fails_the_link(torch_site: Path, tmp_path: Path) -> None:
+    # CUDAExtension links -lcudart from $CUDA_HOME/lib64; without cuda-cudart-dev's libcudart.so, ld fails.
+    cuda = fake_cuda_home(tmp_path / "cuda", "12.8", "V12.8.93", cudart=False)
+    tools = host_toolchain(tmp_path / "tools")
+    result = standin_build_ext(torch_site, tmp_path / "src", [tools], CUDA_HOME=str(cuda))
+    assert result.returncode != 0
+    assert "/usr/bin/ld: cannot find -lcudart: No such file or directory" in result.stdout, result.stdout
+    assert f"error: command '{tools}/" in result.stdout and "failed with exit code 1" in result.stdout
 
 
 def test_cuda_extension_without_cuda_home(torch_site: Path, tmp_path: Path) -> None:

@@ -32,9 +32,10 @@ What it reproduces, with torch's own messages:
   Unsupported gpu architecture 'compute_121'" from 12.8), no host compiler (``$CC``, passed as -ccbin, else ``gcc``),
   no ``cuda_runtime.h`` in ``$CUDA_HOME/include``, a gcc newer than its crt/host_config.h allows (asked with
   ``-dumpversion``; 12.8 takes up to 14, 13.0 up to 15; torch's own bounds are stricter for 12.8); for a .cpp that
-  includes a c10/cuda or ATen/cuda header, no ``cuda_runtime_api.h``; no ``Python.h`` in the interpreter's include
-  directory (torch's headers include it); no C++ linker.  With ninja torch then raises "Error compiling objects for
-  extension", without it setuptools' "command ... failed".
+  includes a c10/cuda or ATen/cuda header, no cudart headers (real message: cuda_runtime_api.h; tested by
+  cuda_runtime.h, all the lab's apt stand-in of cuda-cudart-dev ships); no ``Python.h`` in the interpreter's include
+  directory (torch's headers include it); no C++ linker; no libcudart.so for ld in the CUDA library directory.  With
+  ninja torch then raises "Error compiling objects for extension", without it setuptools' "command ... failed".
 """
 
 import logging
@@ -477,6 +478,14 @@ class BuildExtension(build_ext):
         print(f"[{total}/{total}] {link}" if self.use_ninja else link, flush=True)
         if shutil.which(linker) is None:
             raise LinkError(f"command '{linker}' failed: No such file or directory")
+        # ld needs libcudart.so (cuda-cudart-dev's link-time name) in the CUDA library directory CUDAExtension added;
+        # torch's own libraries are not checked (the stand-in wheel has none).
+        for lib in (name for name in ext.libraries if name == "cudart"):
+            if not any(os.path.exists(os.path.join(d, f"lib{lib}{suffix}")) for d in ext.library_dirs
+                       for suffix in (".so", ".a")):
+                print(f"/usr/bin/ld: cannot find -l{lib}: No such file or directory\n"
+                      "collect2: error: ld returned 1 exit status", flush=True)
+                raise LinkError(f"command '{shutil.which(linker)}' failed with exit code 1")
         with open(target, "w", encoding="utf-8") as fh:
             # Not ELF: importing it fails loudly instead of pretending to be a kernel library.
             fh.write("fleetcuda lab stand-in: placeholder for a compiled extension, not a shared object\n")
@@ -588,8 +597,10 @@ def _compile_error(src: str, exe: str, nvcc_args: list[str]) -> str | None:
             uses_cuda = _CUDA_HEADER.search(fh.read()) is not None
     except OSError:
         uses_cuda = False
-    if uses_cuda and CUDA_HOME and not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime_api.h")):
-        # The first CUDA header torch's own headers pull in (c10/cuda/CUDAStream.h:4).
+    # cuda-cudart-dev ships cuda_runtime.h and cuda_runtime_api.h together; the lab's apt stand-in of it ships only
+    # the former, so that one stands for both.  The message is the real one: the first CUDA header torch's own
+    # headers pull in (c10/cuda/CUDAStream.h:4 in torch 2.11, read).
+    if uses_cuda and CUDA_HOME and not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
         header = os.path.join(_TORCH_PATH, "include", "c10", "cuda", "CUDAStream.h")
         return (f"{header}:4:10: fatal error: cuda_runtime_api.h: No such file or directory\n"
                 "    4 | #include <cuda_runtime_api.h>\n      |          ^~~~~~~~~~~~~~~~~~~~\ncompilation terminated.")
