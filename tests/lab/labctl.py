@@ -173,19 +173,25 @@ def build_standins() -> None:
 # as an operator's own template often is; the real topology's is the bare Proxmox-like one, where the recipe has to
 # install them.  The stand-in torch fails a build without them as the real one does, so they are needed here.
 BASE_PACKAGES = ("python3", "python3-venv", "g++", "python3.11-dev")
-BASE_STAMP = ("debootstrap minbase bookworm: " + ",".join(BASE_PACKAGES)
-              + "; /root/venv: torch==2.11.0+cu128 packaging\n")
+TORCH_STANDIN = "torch-2.11.0+cu128-py3-none-any.whl"
+
+
+def base_stamp() -> str:
+    """What the base was made of; the torch stand-in by digest, so that changing it rebuilds the base's venv."""
+    torch = hashlib.sha256((WHEELHOUSE / TORCH_STANDIN).read_bytes()).hexdigest()
+    return f"debootstrap minbase bookworm: {','.join(BASE_PACKAGES)}; /root/venv: {TORCH_STANDIN} {torch}, packaging\n"
 
 
 def build_base() -> None:
     stamp = BASE / ".fleetcuda-complete"
-    if _stamped(stamp, BASE_STAMP):
+    want = base_stamp()
+    if _stamped(stamp, want):
         return
     if BASE.exists():
         if _overlay_users(BASE):
             raise SystemExit(f"labctl: {BASE} is out of date and containers run on it; "
                                  "`labctl down` (and the bench topologies down) first, then `up` rebuilds it")
-        log(f"{BASE} is out of date ({BASE_STAMP.strip()}): rebuilding it")
+        log(f"{BASE} is out of date (now: {want.strip()}): rebuilding it")
         shutil.rmtree(BASE)
     tmp = LAB / "base.tmp"
     if tmp.exists():
@@ -205,7 +211,7 @@ def build_base() -> None:
             f"{IN_CONTAINER}/wheelhouse", "torch==2.11.0+cu128", "packaging")
     finally:
         run("umount", mnt)
-    (tmp / ".fleetcuda-complete").write_text(BASE_STAMP)
+    (tmp / ".fleetcuda-complete").write_text(want)
     tmp.rename(BASE)
 
 
