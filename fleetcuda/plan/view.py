@@ -330,7 +330,7 @@ def _cached_install(target: Target, step: PlannedStep) -> list[Send]:
     cached = "if a wheel is cached for this fingerprint (instead of the apply below)"
     ct_path = f"{TARGET_WHEEL_DIR}/{WHEEL}"
     sends = [Send("step", "install-dir", f"{cached}: a private directory in the target for the wheel",
-                  in_target_command(target, f"mktemp -d {TARGET_WHEEL_DIR[:-6]}XXXXXX"), step=step)]
+                  in_target_command(target, f"mktemp -d {TARGET_WHEEL_DIR}"), step=step)]
     if target.container is None:
         via: Literal["sftp", "copy"] = "sftp" if target.chain.ssh else "copy"
         sends.append(Send("step", "put", f"{cached}: the wheel to the host (created 0600)",
@@ -385,9 +385,9 @@ def _publish(target: Target, step: PlannedStep) -> list[Send]:
         if target.chain.ssh is not None:
             sends.append(Send("step", "fetch-cleanup", f"{built}: removes the staging directory",
                               host_command(target, ["rm", "-rf", "--", HOST_STAGING_DIR]), step=step, runs_on="host"))
-    sends.append(Send("step", "cleanup", "after the apply (a wheel build), whether or not the wheel was cached: removes "
-                      "the wheel's directory in the target", in_target_command(target, f"rm -rf -- {TARGET_WHEEL_DIR}"),
-                      step=step))
+    sends.append(Send("step", "cleanup", "after the apply (a wheel build), whether or not the wheel was cached: "
+                      "removes the wheel's directory in the target",
+                      in_target_command(target, f"rm -rf -- {quote(TARGET_WHEEL_DIR)}"), step=step))
     return sends
 
 
@@ -504,7 +504,8 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
     out = ["", f"target {t.id}" + (f" ({t.name})" if t.name else "")]
     out += line("  ", "hops: " + " -> ".join(_hop_words(t.chain)))
     if t.chain.ssh is not None:
-        out += line("  ", "ssh options (the transport's, as OpenSSH options): " + join_for_paste(ssh_argv(t.chain.ssh)[1:]))
+        options = join_for_paste(ssh_argv(t.chain.ssh)[1:])
+        out += line("  ", "ssh options (the transport's, as OpenSSH options): " + options)
     out.append("  environment of every step's commands (each script says what it adds or lacks):")
     for k, v in view.environment.items():
         out += line("    ", f"{k}={v}")
