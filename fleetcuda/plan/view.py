@@ -11,6 +11,7 @@ Formats:
   of the raw script (what the target's bash reads: its `name=value` prologue, then the script), with
   its timeout, label, retries and what it proves. Long programs given in `programs` are shown once, in a
   section at the end, and referred to as `<program NAME sha256:<12 hex>>` where scripts contain them.
+  A command exactly like one shown before (most kinds' verify is their check) says `the same command as [N]`.
   No line is over 160 characters: longer ones go on in continuation lines whose gutter is `+`.
 - `shell`: the command lines a person can paste into bash or zsh, each after a `#` line saying when apply
   sends it. The lines of the older dry-run (`# step N/M name (kind): phase (note)` then the command) are
@@ -513,6 +514,7 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
         out += line("  ", f"read from the target before any step (shown as 'auto' below): {', '.join(view.pending)}")
     number = 0
     total = len(view.plan.steps)
+    seen: dict[tuple[str, ...], int] = {}  # a command already shown -> its block number
     by_step: dict[int, list[Send]] = {}
     for send in view.sends:
         if send.step is not None:
@@ -522,7 +524,7 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
     tail = [s for s in view.sends if s.step is None and s.what not in ("facts", "checks", "lock-acquire")]
     for send in head:
         number += 1
-        out += _human_send(number, send, view, forms, used, redact)
+        out += _human_send(number, send, view, forms, used, redact, seen)
     for step in view.plan.steps:
         out.append("")
         out += line("  ", f"step {step.index + 1}/{total} {step.name} ({step.kind})"
@@ -542,16 +544,16 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
             out += line("    ", "after apply, the check is sent again as the verification")
         for send in by_step.get(step.index, []):
             number += 1
-            out += _human_send(number, send, view, forms, used, redact)
+            out += _human_send(number, send, view, forms, used, redact, seen)
     out.append("")
     for send in tail:
         number += 1
-        out += _human_send(number, send, view, forms, used, redact)
+        out += _human_send(number, send, view, forms, used, redact, seen)
     return out
 
 
 def _human_send(number: int, send: Send, view: TargetView, forms: list[tuple[str, str, str]], used: list[str],
-                redact: Redactor) -> list[str]:
+                redact: Redactor, seen: dict[tuple[str, ...], int]) -> list[str]:
     indent = "    " if send.step is not None else "  "
 
     def line(extra: str, text: str) -> list[str]:
@@ -568,6 +570,11 @@ def _human_send(number: int, send: Send, view: TargetView, forms: list[tuple[str
         out += line("    ", f"file, by {how}: {arrow}")
         return out
     assert send.command is not None
+    # A verify that is its step's check (most kinds') is the same command: said, not printed twice.
+    if send.command.argv in seen:
+        out += line("    ", f"the same command as [{seen[send.command.argv]}]: script, environment, label and timeout")
+        return out
+    seen[send.command.argv] = number
     parsed = parse_command(send.command)
     on = "on the host, through its login shell" if send.runs_on == "host" else "in the target"
     facts = [f"runs {on}", f"label {parsed.label}", f"timeout {parsed.timeout} s" if parsed.timeout else "no timeout"]
