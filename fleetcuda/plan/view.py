@@ -115,6 +115,8 @@ TARGET_WHEEL_DIR = "/tmp/fleetcuda-wheel.XXXXXX"
 HOST_STAGING_DIR = "/tmp/fleetcuda-push.XXXXXX"
 WHEEL = "<wheel>.whl"
 CACHED_WHEEL = "<cache>/" + WHEEL  # the control machine's wheel cache (FLEETCUDA_CACHE_DIR)
+# A step's own scripts, which share its environment (the transfer phases have fleetcuda's own).
+STEP_SCRIPTS = ("check", "fingerprint", "install", "apply", "verify")
 # Phases of a step that the older dry-run did not show: the shell format's added `# step` headers.
 NEW_STEP_PHASES = ("install-dir", "host-dir", "put", "push", "install", "fetch-dir", "pull", "get",
                    "fetch-cleanup", "cleanup")
@@ -524,7 +526,7 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
     tail = [s for s in view.sends if s.step is None and s.what not in ("facts", "checks", "lock-acquire")]
     for send in head:
         number += 1
-        out += _human_send(number, send, view, forms, used, redact, seen)
+        out += _human_send(number, send, view, forms, used, redact, seen, view.environment)
     for step in view.plan.steps:
         out.append("")
         out += line("  ", f"step {step.index + 1}/{total} {step.name} ({step.kind})"
@@ -542,18 +544,34 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
         out += line("    ", f"timeout {step.timeout} s per command; {retry}")
         if step.apply is not None and step.verify is None and step.check is not None:
             out += line("    ", "after apply, the check is sent again as the verification")
-        for send in by_step.get(step.index, []):
+        sends = by_step.get(step.index, [])
+        # The step's own environment once (its scripts share it); each script then says only how it differs.
+        step_env = next((parse_command(s.command).env for s in sends
+                         if s.command is not None and s.phase in STEP_SCRIPTS), view.environment)
+        out += _env_lines(step_env, view.environment, lambda text: line("    ", text), "this step's env")
+        for send in sends:
             number += 1
-            out += _human_send(number, send, view, forms, used, redact, seen)
+            out += _human_send(number, send, view, forms, used, redact, seen, step_env)
     out.append("")
     for send in tail:
         number += 1
-        out += _human_send(number, send, view, forms, used, redact, seen)
+        out += _human_send(number, send, view, forms, used, redact, seen, view.environment)
+    return out
+
+
+def _env_lines(env: Mapping[str, str], base: Mapping[str, str], line: Callable[[str], list[str]],
+               what: str = "env") -> list[str]:
+    added, missing = _env_changes(env, base)
+    out = []
+    for k, v in added.items():
+        out += line(f"{what} {'sets' if k in base else 'adds'} {k}={v}")
+    if missing:
+        out += line(f"{what} lacks " + ", ".join(missing))
     return out
 
 
 def _human_send(number: int, send: Send, view: TargetView, forms: list[tuple[str, str, str]], used: list[str],
-                redact: Redactor, seen: dict[tuple[str, ...], int]) -> list[str]:
+                redact: Redactor, seen: dict[tuple[str, ...], int], base: Mapping[str, str]) -> list[str]:
     indent = "    " if send.step is not None else "  "
 
     def line(extra: str, text: str) -> list[str]:
@@ -583,11 +601,7 @@ def _human_send(number: int, send: Send, view: TargetView, forms: list[tuple[str
         facts.append("reads from stdin: " + ", ".join(names))
     out += line("    ", "; ".join(facts))
     if send.runs_on == "target":
-        added, missing = _env_changes(parsed.env, view.environment)
-        for k, v in added.items():
-            out += line("    ", f"env {'sets' if k in view.environment else 'adds'} {k}={v}")
-        if missing:
-            out += line("    ", "env lacks " + ", ".join(missing))
+        out += _env_lines(parsed.env, base, lambda text: line("    ", text))
     else:
         out += line("    ", "env " + " ".join(f"{k}={v}" for k, v in parsed.env.items()))
     script = parsed.script
