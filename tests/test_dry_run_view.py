@@ -131,6 +131,8 @@ def test_shell_format_is_the_older_dry_run_byte_for_byte_plus_added_round_trips(
     shell = render("shell", recipe, inventory, home=lambda t: "/root" if t.spec.kind == "local" else None)
     assert older_parts(shell) == golden
     assert "# round trip lock-release" in shell  # and the added parts are there
+    assert "#   (the apply above is tried up to 2 more time(s) after a failure, never after a timeout, waiting 3 s" \
+        in shell
 
 
 @pytest.mark.parametrize("limit", ["lab-a/200", "lab-b/301"])

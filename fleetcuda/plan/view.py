@@ -658,6 +658,10 @@ def _shell_target(view: TargetView) -> list[str]:
             continue
         for send in by_step.get(step.index, []):
             out += [f"{head}: {send.phase} ({ascii_line(send.when)})", redact(send.line)]
+            if send.phase == "apply" and step.retries:
+                out.append(f"#   (the apply above is tried up to {step.retries} more time(s) after a failure, "
+                           f"never after a timeout, waiting {step.retry_delay:g} s, doubled each time, at most "
+                           f"{step.retry_delay * 8:g} s)")
         if step.apply is not None and step.verify is None and step.check is not None:
             out.append("#   (after apply, the check above is sent again as the verification)")
     for send in [s for s in view.sends if s.step is None and s.what not in ("facts", "checks", "lock-acquire")]:
