@@ -404,6 +404,13 @@ SECRET_RECIPE = textwrap.dedent("""\
         env:
           DB_PASSWORD: "{{ db_password }}"
           MIRROR: "{{ mirror }}"
+      - name: export
+        # Its `expect` (what the human and json formats show the step proves) names the values it exports.
+        kind: env_file
+        path: /etc/profile.d/fc-secret-test.sh
+        vars:
+          HF_TOKEN: "{{ hf_token }}"
+          PLAIN_EXPORT: "{{ plain }}"
     """)
 
 
