@@ -34,10 +34,11 @@ class Finding:
 
 def command(target: Target, home: str | None = None) -> BuiltCommand:
     """doctor_probe, then fast_path_gate's transformers part (informative: REQUIRE_TRANSFORMERS=false), each
-    reporting in a frame (the nonce: on stdin, then in the one program's environment)."""
+    reporting in a frame (the nonce: on stdin, then in the one program's environment); their other lines
+    are not read."""
     script = "\n".join([
         python_heredoc(quote(target.python), "doctor_probe", env=framing.PYTHON_NONCE),
-        python_heredoc(quote(target.python), "fast_path_gate", "--gate-only >/dev/null",
+        python_heredoc(quote(target.python), "fast_path_gate", "--gate-only",
                        env=f"{framing.PYTHON_NONCE} REQUIRE_TRANSFORMERS=false"),
         "exit 0",
     ])
