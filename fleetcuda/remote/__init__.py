@@ -27,6 +27,7 @@ PROGRAMS: dict[str, tuple[str, Language]] = {
     "doctor_probe": ("doctor_probe.py", "python"),
     "fast_path_gate": ("fast_path_gate.py", "python"),
     "detect_archs": ("detect_archs.sh", "bash"),
+    "fetch": ("fetch.sh", "bash"),
     "lock": ("lock.sh", "bash"),
     "stop": ("stop.sh", "bash"),
 }
