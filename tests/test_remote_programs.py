@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import json
 import re
 import shutil
 import subprocess
@@ -72,6 +73,33 @@ def test_every_python_program_carries_the_one_emitter_or_none() -> None:
 def test_the_fingerprint_program_and_the_control_side_agree_on_the_fields() -> None:
     prog = importlib.import_module("fleetcuda.remote.fingerprint")
     assert prog.FIELDS == fingerprint.FIELDS
+
+
+def test_the_fingerprint_program_run_by_hand_records_and_reports_no_frame(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a nonce (a dry-run line pasted by hand) the build still records; what it prints is no report."""
+    site = tmp_path / "site"
+    for name, text in FAKE_SITE.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("FLEETCUDA_BUILD_RECORDS", str(tmp_path / "records"))
+    monkeypatch.delenv("FLEETCUDA_NONCE", raising=False)
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent")
+    prog = importlib.import_module("fleetcuda.remote.fingerprint")
+    try:
+        assert prog.main(["record", "causal-conv1d", "1.7.0", "90", '{"source": "by hand"}']) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert prog.main(["compare", "causal-conv1d", "1.7.0", "90"]) == 0
+        assert "causal-conv1d 1.7.0 was built for this ABI (torch 2.11.0+cu128" in capsys.readouterr().out
+    finally:  # the fake torch must not stay imported for other tests
+        for name in [m for m in sys.modules if m == "torch" or m.startswith("torch.")]:
+            del sys.modules[name]
+    assert printed["torch"] == "2.11.0+cu128" and printed["nvcc"] == "none"
+    [rec] = (tmp_path / "records").iterdir()
+    assert json.loads(rec.read_text())["source"] == "by hand"
+    assert fingerprint.parse(json.dumps(printed)) is None
 
 
 def _plan(tmp_path: Path, python: str = "/opt/venv/bin/python"):  # type: ignore[no-untyped-def]

@@ -2,7 +2,8 @@
 
     python - MODE PACKAGE VERSION ARCHS [ARG]   (this file on stdin), with the step's environment (CUDA_HOME)
 
-    show                 report the fingerprint (a `fingerprint` frame)
+    show                 report the fingerprint (a `fingerprint` frame; plain JSON when run by hand, without
+                         FLEETCUDA_NONCE)
     matches FP_JSON      exit 1, naming the differences, unless this target's fingerprint is FP_JSON
     record PROVENANCE    write the build record (fingerprint + where the wheel came from) for the installed
                          package, then report the fingerprint
@@ -96,6 +97,14 @@ def record_path(package):
     return os.path.join(root, package + "@" + (sys.prefix.strip("/").replace("/", "_") or "root") + ".json")
 
 
+def report(now):
+    """To fleetcuda in a frame; run by hand (no nonce), as plain JSON, which no parser takes for a report."""
+    if _NONCE:
+        emit_json("fingerprint", now)
+    else:
+        print(json.dumps(now, sort_keys=True))
+
+
 def main(argv):
     take_nonce()
     if len(argv) < 4:
@@ -104,7 +113,7 @@ def main(argv):
     arg = argv[4] if len(argv) > 4 else ""
     now = fingerprint(package, version, archs)
     if mode == "show":
-        emit_json("fingerprint", now)
+        report(now)
     elif mode == "matches":
         diff = differences(json.loads(arg), now)
         if diff:
@@ -119,7 +128,7 @@ def main(argv):
         with os.fdopen(fd, "w") as fh:
             json.dump(record, fh, indent=1, sort_keys=True)
         os.replace(tmp, path)
-        emit_json("fingerprint", now)
+        report(now)
     elif mode == "compare":
         try:
             with open(record_path(package)) as fh:
