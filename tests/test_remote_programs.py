@@ -256,11 +256,15 @@ def test_a_planned_fingerprint_command_reports_through_the_plans_nonce(tmp_path:
 
 
 def test_the_programs_ship_in_the_wheel(tmp_path: Path) -> None:
-    out = tmp_path / "wheel"
+    # Built from a copy: setuptools leaves build/ and *.egg-info next to the sources.
+    src, out = tmp_path / "src", tmp_path / "wheel"
+    shutil.copytree(REPO / "fleetcuda", src / "fleetcuda", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(out), str(REPO)], capture_output=True, text=True, timeout=300)
+                          str(out), str(src)], capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
-        res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
+        res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
                              capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     [whl] = out.glob("fleetcuda-*.whl")
