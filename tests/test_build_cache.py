@@ -40,21 +40,26 @@ def target_env(tmp_path: Path) -> dict[str, str]:
             "FLEETCUDA_BUILD_RECORDS": str(tmp_path / "records")}
 
 
+NONCE = "0123456789abcdef"
+
+
 def program(env: dict[str, str], mode: str, *args: str, archs: str = "upstream") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", fingerprint.TARGET_PROGRAM, mode, "causal-conv1d", "1.7.0", archs,
-                           *args], env=env, capture_output=True, text=True, timeout=60)
+    """The program as it is sent: its text on stdin, the nonce in its environment."""
+    return subprocess.run([sys.executable, "-", mode, "causal-conv1d", "1.7.0", archs, *args],
+                          input=fingerprint.TARGET_PROGRAM, env={**env, "FLEETCUDA_NONCE": NONCE},
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_the_target_program_reads_the_fingerprint(target_env: dict[str, str]) -> None:
     out = program(target_env, "show", archs="90")
     assert out.returncode == 0, out.stderr
-    fp = fingerprint.parse(out.stdout)
+    fp = fingerprint.parse(out.stdout, NONCE)
     assert fp is not None
     assert fp["torch"] == "2.11.0+cu128" and fp["torch_cuda"] == "12.8" and fp["cxx11_abi"] == "1"
     assert fp["nvcc"] == "12.8" and fp["archs"] == "90"  # the release, not the patch build
     assert fp["python"] == PY and fp["abi"].startswith("cpython-")
     no_nvcc = program({**target_env, "CUDA_HOME": "/nonexistent"}, "show")
-    assert fingerprint.parse(no_nvcc.stdout)["nvcc"] == "none"  # type: ignore[index]
+    assert fingerprint.parse(no_nvcc.stdout, NONCE)["nvcc"] == "none"  # type: ignore[index]
 
 
 def test_record_then_compare_names_what_changed(target_env: dict[str, str], tmp_path: Path) -> None:
@@ -76,7 +81,7 @@ def test_record_then_compare_names_what_changed(target_env: dict[str, str], tmp_
 
 
 def test_a_wheel_for_another_fingerprint_is_refused_before_install(target_env: dict[str, str]) -> None:
-    assert program(target_env, "matches", json.dumps(fingerprint.parse(program(target_env, "show").stdout)))\
+    assert program(target_env, "matches", json.dumps(fingerprint.parse(program(target_env, "show").stdout, NONCE)))\
         .returncode == 0
     other = {**FP, "nvcc": "13.0", "python": PY}
     out = program(target_env, "matches", json.dumps(other))
@@ -91,18 +96,21 @@ def test_every_field_is_part_of_the_key() -> None:
         assert fingerprint.key({**FP, field: FP[field] + "x"}) != base, field
 
 
-def test_parsing_takes_only_well_formed_lines() -> None:
-    good = f"{fingerprint.FINGERPRINT_MARK} {json.dumps(FP)}"
-    assert fingerprint.parse(f"noise\n{good}\n") == FP
-    assert fingerprint.parse(f"{fingerprint.FINGERPRINT_MARK} {{not json") is None
-    assert fingerprint.parse(f"{fingerprint.FINGERPRINT_MARK} {json.dumps({**FP, 'torch': None})}") is None
+def test_parsing_takes_only_well_formed_frames_with_the_nonce() -> None:
+    good = f"@@fleetcuda:{NONCE} fingerprint {json.dumps(FP, separators=(',', ':'))}"
+    assert fingerprint.parse(f"noise\n{good}\n", NONCE) == FP
+    assert fingerprint.parse(good, "fedcba9876543210") is None  # another run's
+    assert fingerprint.parse(f"@@fleetcuda-fingerprint {json.dumps(FP)}", NONCE) is None  # the old marker
+    assert fingerprint.parse(f"@@fleetcuda:{NONCE} fingerprint {{not json", NONCE) is None
+    assert fingerprint.parse(f"@@fleetcuda:{NONCE} fingerprint {json.dumps({**FP, 'torch': None})}", NONCE) is None
     sha = "a" * 64
     kept = "/tmp/fleetcuda-wheel.Ab12Cd/causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl"
-    assert fingerprint.parse_wheel(f"x\n{fingerprint.WHEEL_MARK} {kept} {sha}\n") == (kept, sha)
-    assert fingerprint.parse_wheel(f"{fingerprint.WHEEL_MARK} {kept} abc") is None
+    assert fingerprint.parse_wheel(f"x\n@@fleetcuda:{NONCE} wheel {kept} {sha}\n", NONCE) == (kept, sha)
+    assert fingerprint.parse_wheel(f"@@fleetcuda:{NONCE} wheel {kept} abc", NONCE) is None
+    assert fingerprint.parse_wheel(f"| @@fleetcuda:{NONCE} wheel {kept} {sha}", NONCE) is None  # a payload line
     # The directory is removed afterwards: a line that names anything but the build's own is not taken.
     for elsewhere in ("/usr/lib/x.whl", "/tmp/fleetcuda-wheel.Ab12Cd/../../usr/x.whl", "/tmp/w/c.whl"):
-        assert fingerprint.parse_wheel(f"{fingerprint.WHEEL_MARK} {elsewhere} {sha}") is None, elsewhere
+        assert fingerprint.parse_wheel(f"@@fleetcuda:{NONCE} wheel {elsewhere} {sha}", NONCE) is None, elsewhere
 
 
 def _wheel(tmp_path: Path, name: str = "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl") -> Path:
@@ -216,10 +224,10 @@ def test_dry_run_shows_the_wheel_build_and_share_builds_false_the_old_install(tm
     args = ("apply", "recipes/gdn-fastpath.yaml", "-i", "inventories/lab.yaml", "--limit", "lab-a/200", "--dry-run")
     shared = run_fleetcuda(*args, state=tmp_path, check=True).stdout
     assert "pip wheel --disable-pip-version-check --no-input --no-build-isolation --no-cache-dir --no-deps" in shared
-    assert fingerprint.WHEEL_MARK in shared and "stale=" in shared
+    assert "@@fleetcuda:${fcn} wheel $whl $sha" in shared and "stale=" in shared
     assert "causal-conv1d (sdist_build): fingerprint (read-only, if the check fails" in shared
     alone = run_fleetcuda(*args, "--var", "share_builds=false", state=tmp_path, check=True).stdout
-    assert "pip wheel" not in alone and fingerprint.WHEEL_MARK not in alone
+    assert "pip wheel" not in alone and "wheel $whl" not in alone
     assert "--no-build-isolation --no-cache-dir --no-deps --force-reinstall" in alone
 
 

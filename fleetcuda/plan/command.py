@@ -15,6 +15,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fleetcuda.remote import shell_text
+
 ENV = "/usr/bin/env"
 BASH = "/bin/bash"
 TIMEOUT = "/usr/bin/timeout"
@@ -170,29 +172,8 @@ def target_argv(inv: Invocation) -> list[str]:
     return argv
 
 
-# Run inside a target after Ctrl-C: TERM (then KILL) every process of this run, found by its label (the
-# last argument: `fleetcuda:<step>@<run>` or `fleetcuda-<what>@<run>`), the stop script itself excepted.
-# `timeout` passes the signal on to the step's whole process group. Other runs' processes have other run ids.
-STOP_SCRIPT = r"""run=$1
-label=$2
-stop() {
-  n=0
-  for d in /proc/[0-9]*; do
-    pid=${d#/proc/}
-    [ "$pid" = "$$" ] && continue
-    last=$(tr '\0' '\n' < "$d/cmdline" 2>/dev/null | tail -n 1) || continue
-    case $last in
-      "fleetcuda-stop@$run") ;;
-      fleetcuda:*"@$run"|fleetcuda-*"@$run") kill "-$1" "$pid" 2>/dev/null && n=$((n + 1)) ;;
-    esac
-  done
-  echo "$n"
-}
-first=$(stop TERM)
-for _ in 1 2 3 4 5 6 7 8 9 10; do [ "$(stop 0)" = 0 ] && break; sleep 1; done
-left=$(stop KILL)
-echo "stopped $first process(es) labelled $label (or of run $run); $left needed KILL"
-"""
+# Run inside a target after Ctrl-C: stops every process of one run, found by its label (see stop.sh).
+STOP_SCRIPT = shell_text("stop")
 
 
 def stop_invocation(label: str) -> Invocation:

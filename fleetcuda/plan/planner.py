@@ -229,7 +229,8 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         # The step and its environment are bound now: a shared build's install command is made at run time.
         def inv(script: str, step: StepSpec = step, env: dict[str, str] = full_env, ctx: StepContext = ctx,
                 label: str = label) -> Invocation:
-            return invocation(script, env, ctx.shell_vars, ctx.sources, secrets, timeout=step.timeout, label=label)
+            made = invocation(script, env, ctx.shell_vars, ctx.sources, secrets, timeout=step.timeout, label=label)
+            return framing.with_nonce(made, plan.nonce)  # a step script that prints frames (a shared build's)
 
         def cmd(script: str | None, inv: Callable[[str], Invocation] = inv) -> BuiltCommand | None:
             return build(target.chain, inv(script)) if script is not None else None

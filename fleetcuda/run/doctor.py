@@ -4,12 +4,12 @@ nvcc (where, which release) for CUDA_HOME, /usr/local/cuda-X.Y and PATH; torch's
 arch list; the GPUs' compute capability; causal_conv1d and fla importable (and one tiny kernel each
 where a GPU is visible); transformers' GatedDeltaNet fast path per function in both gate styles; and
 causal-conv1d wheels in pip's or uv's cache that were built before the installed torch (stale).
-Read-only. The script prints one JSON document between markers, not text to scrape.
+Read-only. The programs (fleetcuda/remote/doctor_probe.py, fast_path_gate.py: the recipe's gate) report in
+frames (fleetcuda.remote.framing), not text to scrape.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -19,104 +19,10 @@ from rich.text import Text
 from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.planner import base_env
+from fleetcuda.remote import framing, python_heredoc
 
-MARK = "@@fleetcuda-doctor"
-
-_NVCC = r"""nvcc_json() {  # where -> path, release
-  local where=$1 nvcc=$2 rel=""
-  if [ -x "$nvcc" ]; then rel=$("$nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p'); fi
-  printf '{"where": "%s", "path": "%s", "release": "%s"}' "$where" "$nvcc" "$rel"
-}
-items=()
-[ -n "${CUDA_HOME:-}" ] && items+=("$(nvcc_json CUDA_HOME "$CUDA_HOME/bin/nvcc")")
-for d in /usr/local/cuda /usr/local/cuda-*; do [ -e "$d/bin/nvcc" ] && items+=("$(nvcc_json "$d" "$d/bin/nvcc")"); done
-p=$(command -v nvcc 2>/dev/null) && items+=("$(nvcc_json PATH "$p")")
-NVCC_FOUND="[$(IFS=,; echo "${items[*]}")]"
-GPU_CAPS=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null | paste -sd';' - || true)
-export NVCC_FOUND GPU_CAPS
-"""
-
-_PY = r'''import glob, importlib, json, os, sys, time
-r = {"python": sys.version.split()[0], "nvcc": json.loads(os.environ.get("NVCC_FOUND") or "[]"),
-     "gpus": os.environ.get("GPU_CAPS", ""), "cuda_home": os.environ.get("CUDA_HOME", "")}
-def attempt(name, fn):
-    try:
-        r[name] = fn()
-    except BaseException as exc:
-        r[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-def torch_info():
-    import torch
-    info = {"version": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.is_available()}
-    info["arch_list"] = torch.cuda.get_arch_list() if info["gpu"] else []
-    if info["gpu"]:
-        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-    info["installed_at"] = os.path.getmtime(os.path.dirname(torch.__file__))
-    return info
-attempt("torch", torch_info)
-gpu = isinstance(r["torch"], dict) and r["torch"].get("gpu")
-def cc1d():
-    import causal_conv1d
-    out = {"version": getattr(causal_conv1d, "__version__", "?"), "path": os.path.dirname(causal_conv1d.__file__)}
-    if gpu:
-        import torch
-        from causal_conv1d import causal_conv1d_fn
-        x = torch.randn(1, 64, 32, device="cuda", dtype=torch.bfloat16)
-        causal_conv1d_fn(x, torch.randn(64, 4, device="cuda", dtype=torch.bfloat16), None, activation="silu")
-        torch.cuda.synchronize()
-        out["kernel"] = "ran"
-    return out
-def fla():
-    import fla as f
-    out = {"version": getattr(f, "__version__", "?")}
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    if gpu:
-        import torch
-        q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
-        k = torch.nn.functional.normalize(torch.randn(1, 64, 2, 64, device="cuda"), dim=-1).bfloat16()
-        g = torch.nn.functional.logsigmoid(torch.randn(1, 64, 2, device="cuda"))
-        chunk_gated_delta_rule(q, k, q.clone(), g, torch.rand(1, 64, 2, device="cuda").sigmoid())
-        torch.cuda.synchronize()
-        out["kernel"] = "ran"
-    return out
-attempt("causal_conv1d", cc1d)
-attempt("fla", fla)
-def gate():
-    import transformers
-    out = {"version": transformers.__version__, "modules": {}}
-    for modname in ("transformers.models.qwen3_5.modeling_qwen3_5",
-                    "transformers.models.qwen3_next.modeling_qwen3_next"):
-        try:
-            mod = importlib.import_module(modname)
-        except Exception as exc:
-            out["modules"][modname] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            continue
-        if hasattr(mod, "is_fast_path_available"):
-            out["modules"][modname] = {"style": "flag", "is_fast_path_available": bool(mod.is_fast_path_available)}
-            continue
-        funcs = {}
-        for attr, fn in sorted(vars(mod).items()):
-            code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-            if code is None or not cells or "implementation" not in code.co_freevars:
-                continue
-            free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
-            impl = free["implementation"]
-            where = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
-            funcs[free.get("func_name", attr)] = where
-        out["modules"][modname] = {"style": "wrapped", "functions": funcs}
-    return out
-attempt("transformers", gate)
-caches = []
-torch_at = r["torch"].get("installed_at") if isinstance(r["torch"], dict) else None
-home = os.path.expanduser("~")
-for pattern in (home + "/.cache/pip/wheels/**/causal_conv1d-*.whl", home + "/.cache/uv/**/causal_conv1d-*.whl",
-                home + "/.cache/uv/**/causal_conv1d-*.dist-info"):
-    for path in glob.glob(pattern, recursive=True):
-        built = os.path.getmtime(path)
-        caches.append({"path": path, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(built)),
-                       "stale": bool(torch_at and built < torch_at)})
-r["cached_causal_conv1d"] = caches
-print(json.dumps(r))
-'''
+# One nonce per process (a doctor run): its frames, never what a target prints, are believed.
+_NONCE = framing.new_nonce()
 
 
 @dataclass
@@ -127,27 +33,30 @@ class Finding:
 
 
 def command(target: Target, home: str | None = None) -> BuiltCommand:
+    """doctor_probe, then fast_path_gate's transformers part (informative: REQUIRE_TRANSFORMERS=false), each
+    reporting in a frame (the nonce: on stdin, then in the one program's environment); their other lines
+    are not read."""
     script = "\n".join([
-        _NVCC,
-        f"echo {MARK} begin",
-        f"{quote(target.python)} -c {quote(_PY)} || echo '{{\"error\": \"python failed\"}}'",
-        f"echo {MARK} end",
+        python_heredoc(quote(target.python), "doctor_probe", env=framing.PYTHON_NONCE),
+        python_heredoc(quote(target.python), "fast_path_gate", "--gate-only",
+                       env=f"{framing.PYTHON_NONCE} REQUIRE_TRANSFORMERS=false"),
+        "exit 0",
     ])
     env = base_env(target, home)
-    return build(target.chain, Invocation(script, env, timeout=300))
+    return build(target.chain, Invocation(script, env, timeout=300, secret_vars=framing.nonce_vars(_NONCE)))
 
 
-def parse(output: str) -> dict:
-    lines = output.splitlines()
-    try:
-        start = lines.index(f"{MARK} begin")
-        end = lines.index(f"{MARK} end", start)
-    except ValueError:
+def parse(output: str, nonce: str | None = None) -> dict:
+    """The probe's report, with the gate's findings as its `transformers` entry."""
+    found = framing.read(output, nonce or _NONCE)
+    reports = [r.report for r in found if isinstance(r, framing.DoctorRecord)]
+    if not reports:
+        lines = [ln for ln in output.splitlines() if ln.strip()]
         return {"error": "no report from the target: " + " / ".join(lines[-3:])}
-    for line in reversed(lines[start + 1:end]):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"error": "no report from the target"}
+    report = dict(reports[-1])
+    gates = [r.report for r in found if isinstance(r, framing.GateRecord)]
+    report["transformers"] = dict(gates[-1]) if gates else {"error": "the fast-path gate did not report"}
+    return report
 
 
 def findings(report: dict) -> list[Finding]:
@@ -157,7 +66,10 @@ def findings(report: dict) -> list[Finding]:
     torch = report.get("torch", {})
     torch_cuda = torch.get("cuda") if isinstance(torch, dict) and "error" not in torch else None
     nvccs = report.get("nvcc", [])
-    if not nvccs:
+    if isinstance(nvccs, dict):  # the probe could not look
+        out.append(Finding("nvcc", str(nvccs.get("error", "?")), "fail"))
+        nvccs = []
+    elif not nvccs:
         out.append(Finding("nvcc", "not found (CUDA_HOME, /usr/local/cuda*, PATH)", "fail"))
     for n in nvccs:
         rel = n.get("release") or "?"
@@ -169,7 +81,8 @@ def findings(report: dict) -> list[Finding]:
         out.append(Finding("torch", f"{torch['version']} (CUDA {torch_cuda}; archs {archs})", "ok"))
     else:
         out.append(Finding("torch", str(torch.get("error", "missing")), "fail"))
-    gpus = report.get("gpus") or (f"capability {torch.get('capability')}" if torch.get("capability") else "")
+    gpus = report.get("gpus") if isinstance(report.get("gpus"), str) else ""
+    gpus = gpus or (f"capability {torch.get('capability')}" if torch.get("capability") else "")
     out.append(Finding("GPU", gpus or "none visible", "ok" if gpus else "info"))
     for name in ("causal_conv1d", "fla"):
         item = report.get(name, {})
@@ -192,7 +105,7 @@ def findings(report: dict) -> list[Finding]:
                                    "ok" if ok else "fail"))
             else:
                 for fn, impl in mod["functions"].items():
-                    fast = impl.startswith(("causal_conv1d", "fla"))
+                    fast = mod.get("fast", {}).get(fn, False)  # as the gate judged it
                     out.append(Finding(f"transformers {tf['version']} {short}.{fn}", impl, "ok" if fast else "fail"))
     for c in report.get("cached_causal_conv1d", []):
         out.append(Finding("cached causal-conv1d wheel", f"{c['path']} (built {c['built']})",

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from fleetcuda.plan.command import quote
-from fleetcuda.remote import framing
+from fleetcuda.remote import framing, shell_text
 
 LOCK_REFRESH_S = 60
 LOCK_STALE_S = 15 * 60  # 15 missed refreshes
@@ -76,61 +76,25 @@ class TargetLock:
         return f"fleetcuda-apply-{vmid}" if vmid is not None else "fleetcuda-apply"
 
     def acquire(self, vmid: int | None) -> str:
-        name = self.name(vmid)
-
-        def say(*what: str) -> str:
-            return framing.frame("lock", *what)
-
-        return "\n".join([
-            # A tmpfs (/run/lock, else /run) where there is one: a restart clears what a dead run left.
-            f"lockdir=/run/lock/{name}",
-            f'{{ [ -d /run/lock ] && [ -w /run/lock ]; }} || lockdir=/run/{name}',
-            f'{{ [ -d /run ] && [ -w /run ]; }} || lockdir="$HOME/.cache/{name}.lock"',
-            'mkdir -p "$(dirname "$lockdir")"',
-            f"deadline=$(( $(date +%s) + {int(self.wait_s)} ))",
-            'while ! mkdir "$lockdir" 2>/dev/null; do',
-            # Printed in a frame: one line of plain characters, whatever the file holds.
-            '  holder=$(head -n 1 "$lockdir/owner" 2>/dev/null | head -c 300 | tr -d "\\n" |'
-            ' tr -c "[:alnum:]@:._ -" "?")',
-            # Ours already (a reply lost with a dropped connection, then the command sent again).
-            f'  [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(self.owner)} ] && break',
-            '  age=$(( $(date +%s) - $(stat -c %Y "$lockdir" 2>/dev/null || date +%s) ))',
-            f'  if [ "$age" -gt {LOCK_STALE_S} ]; then',
-            f"    {say('stale', '$holder')}; rm -rf \"$lockdir\"; continue",
-            "  fi",
-            '  if [ "$(date +%s)" -ge "$deadline" ]; then',
-            f"    {say('busy', '$lockdir', '$holder')}; exit 75",
-            "  fi",
-            "  sleep 2",
-            "done",
-            f'printf "%s\\n" {quote(self.owner)} > "$lockdir/owner"',
-            say("held"),
-        ])
+        return self._call(vmid, "fleetcuda_lock_acquire", self.owner, str(int(self.wait_s)), str(LOCK_STALE_S))
 
     def release(self, vmid: int | None) -> str:
-        return self._if_owned_by(vmid, self.owner, 'rm -rf "$lockdir"', framing.frame("lock", "released"))
+        return self._call(vmid, "fleetcuda_lock_release", self.owner)
 
     def refresh(self, vmid: int | None) -> str:
         """Touch the lock this run holds, so that no other run takes it over as stale."""
-        return self._if_owned_by(vmid, self.owner, 'touch "$lockdir"', framing.frame("lock", "refreshed"))
+        return self._call(vmid, "fleetcuda_lock_refresh", self.owner)
 
     def take_over(self, vmid: int | None, dead_owner: str) -> str:
         """Remove a lock whose owner is known to be dead (a run on this machine that no longer exists)."""
-        return self._if_owned_by(vmid, dead_owner, 'rm -rf "$lockdir"', framing.frame("lock", "taken-over"))
+        return self._call(vmid, "fleetcuda_lock_take_over", dead_owner)
 
-    def _if_owned_by(self, vmid: int | None, owner: str, action: str, said: str) -> str:
-        name = self.name(vmid)
-        return "\n".join([
-            f"for lockdir in /run/lock/{name} /run/{name} \"$HOME/.cache/{name}.lock\"; do",
-            f'  if [ "$(cat "$lockdir/owner" 2>/dev/null)" = {quote(owner)} ]; then {action}; {said}; fi',
-            "done",
-        ])
+    def _call(self, vmid: int | None, function: str, *args: str) -> str:
+        """lock.sh's functions, then one call of them: what they say is in `lock` frames (see framing)."""
+        return shell_text("lock") + " ".join([function, quote(self.name(vmid)), *map(quote, args)])
 
 
 def lock_state(frames: list[framing.Frame]) -> tuple[str | None, list[str]]:
     """The last lock frame's word (held, released, busy, stale, refreshed, taken-over) and its fields."""
-    last: tuple[str | None, list[str]] = (None, [])
-    for f in frames:
-        if f.kind == "lock" and f.fields:
-            last = (f.fields[0], f.fields[1:])
-    return last
+    found = [r for r in framing.records(frames) if isinstance(r, framing.LockRecord)]
+    return (found[-1].state, list(found[-1].fields)) if found else (None, [])

@@ -4,6 +4,7 @@ from fleetcuda.steps.apt import AptKeyringStep, AptPackagesStep
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec
 from fleetcuda.steps.envfile import EnvFileStep
 from fleetcuda.steps.pip import PipInstallStep
+from fleetcuda.steps.program import ProgramStep
 from fleetcuda.steps.sdist import SdistBuildStep
 from fleetcuda.steps.shell import ShellStep
 
@@ -14,6 +15,7 @@ KINDS: dict[str, type[StepSpec]] = {
     "env_file": EnvFileStep,
     "pip_install": PipInstallStep,
     "sdist_build": SdistBuildStep,
+    "program": ProgramStep,
 }
 
 __all__ = ["KINDS", "Scripts", "StepContext", "StepSpec"]

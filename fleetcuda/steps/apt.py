@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 
 from fleetcuda.plan.command import quote
+from fleetcuda.remote import shell_text
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
 
 PACKAGE = r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$"
@@ -15,18 +16,8 @@ PACKAGE = r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$"
 APT = "apt-get -o DPkg::Lock::Timeout={lock} -o Dpkg::Use-Pty=0 -q"
 NONINTERACTIVE = "export DEBIAN_FRONTEND=noninteractive NEEDRESTART_MODE=l"
 
-# Downloads through apt's own fetcher (present wherever apt is), else curl or wget; local paths and
-# file:// URLs are copied, so an offline fleet can stage the .deb.
-FETCH = r"""fetch() {
-  case "$1" in
-    file://*) cp -- "${1#file://}" "$2" ;;
-    /*) cp -- "$1" "$2" ;;
-    *) if [ -x /usr/lib/apt/apt-helper ]; then /usr/lib/apt/apt-helper -q download-file "$1" "$2"
-       elif command -v curl >/dev/null; then curl -fsSL --retry 2 -o "$2" "$1"
-       elif command -v wget >/dev/null; then wget -q -O "$2" "$1"
-       else echo "fleetcuda: no downloader (apt-helper, curl, wget) for $1" >&2; return 1; fi ;;
-  esac
-}"""
+# fetch URL DEST: apt's own fetcher, else curl or wget; local paths copied (fleetcuda/remote/fetch.sh).
+FETCH = shell_text("fetch")
 
 
 def lock_seconds(ctx: StepContext, value: int | str) -> int:

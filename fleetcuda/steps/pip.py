@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 
 from fleetcuda.plan.command import quote
+from fleetcuda.remote import python_heredoc
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
 
 REQUIREMENT = re.compile(
@@ -22,35 +23,14 @@ REQUIREMENT = re.compile(
 )
 MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
-_CHECK = r"""import importlib, importlib.metadata as md, sys
-wanted = sys.argv[1].split()
-modules = sys.argv[2].split()
-bad = 0
-for item in wanted:
-    name, _, version = item.partition("==")
-    try:
-        found = md.version(name)
-    except md.PackageNotFoundError:
-        print(f"{name}: not installed (want {version or 'any'})"); bad = 1; continue
-    if version and found.split("+")[0] != version:
-        print(f"{name}: found {found}, want {version}"); bad = 1
-    else:
-        print(f"{name}: {found}")
-for mod in modules:
-    try:
-        importlib.import_module(mod)
-    except Exception as exc:
-        print(f"import {mod}: {type(exc).__name__}: {str(exc)[:300]}"); bad = 1
-sys.exit(bad)"""
-
-
 def truthy(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off", "none")
 
 
 def check_script(python: str, wanted: list[str], imports: list[str]) -> str:
-    """Exit 0 when every `name` / `name==version` is installed (local +tag ignored) and imports."""
-    return f"{quote(python)} -c {quote(_CHECK)} {quote(' '.join(wanted))} {quote(' '.join(imports))}"
+    """Exit 0 when every `name` / `name==version` is installed (local +tag ignored) and imports
+    (fleetcuda/remote/import_check.py)."""
+    return python_heredoc(quote(python), "import_check", f"{quote(' '.join(wanted))} {quote(' '.join(imports))}")
 
 
 class PipInstallStep(StepSpec):

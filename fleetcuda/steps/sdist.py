@@ -16,7 +16,8 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 
 from fleetcuda.plan.command import quote
-from fleetcuda.run.fingerprint import TARGET_PROGRAM, WHEEL_MARK
+from fleetcuda.remote import program, python_heredoc, shell_text
+from fleetcuda.remote.framing import PYTHON_NONCE, frame
 from fleetcuda.steps.base import Scripts, SharedBuild, StepContext, StepSpec, all_of
 from fleetcuda.steps.pip import MODULE, check_script, truthy
 
@@ -24,63 +25,10 @@ PACKAGE = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
 VERSION = r"^[A-Za-z0-9.+!_-]+$"
 ARCHS = re.compile(r"^(upstream|auto|\d{2,3}a?(,\d{2,3}a?)*)$")
 
-# Runs on the target with the unpacked setup.py and the wanted archs ("90,120").
-PATCH_ARCHS = r'''import re, sys
-path, keep = sys.argv[1], sorted(set(sys.argv[2].split(",")))
-text = open(path, encoding="utf-8").read()
-offered = sorted(set(re.findall(r"arch=compute_(\d+a?),code=sm_\1", text)))
-if not offered:
-    sys.exit("fleetcuda: setup.py names no 'arch=compute_XX,code=sm_XX' flags: its layout changed; not editing it")
-missing = [a for a in keep if a not in offered]
-if missing:
-    sys.exit(f"fleetcuda: setup.py does not build for sm_{', sm_'.join(missing)}; it offers sm_{', sm_'.join(offered)}")
-anchors = [m.start() for m in re.finditer(r"^setup\(", text, re.M)]
-if len(anchors) != 1 or "ext_modules" not in text[:anchors[0]]:
-    sys.exit("fleetcuda: setup.py's layout changed (expected ext_modules, then one top-level setup( call)")
-block = f"""
-# --- inserted by fleetcuda: build only for this target's GPU architectures ---
-def _fleetcuda_keep_archs(args, keep={keep!r}):
-    out, i, kept = [], 0, 0
-    while i < len(args):
-        if args[i] == "-gencode" and i + 1 < len(args):
-            if args[i + 1].rsplit("code=sm_", 1)[-1] in keep:
-                out += args[i:i + 2]
-                kept += 1
-            i += 2
-        else:
-            out.append(args[i])
-            i += 1
-    if not kept:
-        raise SystemExit("fleetcuda: no -gencode flags left for " + ", ".join(keep))
-    return out
-_fleetcuda_edited = 0
-for _fleetcuda_ext in ext_modules:
-    _fleetcuda_args = getattr(_fleetcuda_ext, "extra_compile_args", None)
-    if isinstance(_fleetcuda_args, dict) and "nvcc" in _fleetcuda_args:
-        _fleetcuda_args["nvcc"] = _fleetcuda_keep_archs(list(_fleetcuda_args["nvcc"]))
-        _fleetcuda_edited += 1
-if ext_modules and not _fleetcuda_edited:
-    raise SystemExit("fleetcuda: no extension with nvcc flags to restrict: setup.py's layout changed")
-# --- end of fleetcuda's insertion ---
-
-"""
-open(path, "w", encoding="utf-8").write(text[:anchors[0]] + block + text[anchors[0]:])
-print(f"fleetcuda: restricted the build to sm_{', sm_'.join(keep)} (setup.py offers sm_{', sm_'.join(offered)})")
-'''
-
-# The GPUs' compute capabilities, as nvcc spells them: 9.0 -> 90.
-DETECT_ARCHS = r'''detect_archs() {
-  local caps=""
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d ' .' | sort -u | paste -sd, -)
-  fi
-  if [ -z "$caps" ]; then
-    caps=$("$PYTHON" -c 'import torch
-caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
-print(",".join(sorted(f"{a}{b}" for a, b in caps)))' 2>/dev/null || true)
-  fi
-  printf '%s' "$caps"
-}'''
+# Run on the target with the unpacked setup.py and the wanted archs ("90,120"): fleetcuda/remote/arch_patch.py.
+PATCH_ARCHS = program("arch_patch").text
+# detect_archs: the GPUs' compute capabilities, as nvcc spells them (fleetcuda/remote/detect_archs.sh).
+DETECT_ARCHS = shell_text("detect_archs")
 
 
 RESOLVE_ARCHS = 'if [ "$archs" = auto ]; then archs=$(detect_archs); archs=${archs:-none}; fi'
@@ -116,9 +64,12 @@ class SdistBuildStep(StepSpec):
         assert done is not None
         prologue = [f"PYTHON={quote(python)}", f"uv={quote(uv)}", f"archs={quote(archs)}", DETECT_ARCHS]
 
-        def program(mode: str, *args: str) -> str:
-            return " ".join(['"$PYTHON" -c', quote(TARGET_PROGRAM), mode, quote(self.package), quote(version),
-                             '"$archs"', *args])
+        def fp_program(mode: str, *args: str) -> str:
+            """fleetcuda/remote/fingerprint.py in MODE; `show` and `record` report in a frame (the nonce: theirs)."""
+            reports = mode in ("show", "record")
+            return python_heredoc('"$PYTHON"', "fingerprint",
+                                  " ".join([mode, quote(self.package), quote(version), '"$archs"', *args]),
+                                  env=PYTHON_NONCE if reports else "")
 
         find_links = ctx.raw(self.find_links) if self.find_links else ""
         index_url = ctx.raw(self.index_url) if self.index_url else ""
@@ -154,7 +105,7 @@ class SdistBuildStep(StepSpec):
             ' set cuda_archs to a list such as 90 or to upstream" >&2; exit 1; }',
             "fi",
             'if [ "$archs" != upstream ]; then',
-            f'  "$PYTHON" -c {quote(PATCH_ARCHS)} "$src/setup.py" "$archs"',
+            python_heredoc('"$PYTHON"', "arch_patch", '"$src/setup.py" "$archs"'),
             "fi",
         ]
         install_wheel = [
@@ -200,13 +151,13 @@ class SdistBuildStep(StepSpec):
             'whl="$keep/$(basename "$1")"',
             'mv "$1" "$whl"',
             *install_wheel,
-            program("record", quote(provenance)),
+            fp_program("record", quote(provenance)),
             'sha=$(sha256sum "$whl" | cut -d " " -f 1)',
             "published=1",
-            f'echo "{WHEEL_MARK} $whl $sha"',
+            frame("wheel", "$whl", "$sha"),
         ]
         # Taken just before a build or an install: nothing is changed, so it can be re-sent.
-        fingerprint = "\n".join(["set -e", *prologue, RESOLVE_ARCHS, program("show")])
+        fingerprint = "\n".join(["set -e", *prologue, RESOLVE_ARCHS, fp_program("show")])
 
         def install(path: str, sha: str, fingerprint_json: str, provenance_json: str) -> str:
             return "\n".join([
@@ -217,9 +168,9 @@ class SdistBuildStep(StepSpec):
                 f'  echo "fleetcuda: $whl does not have the sha256 of the cached wheel ({sha}): not installing" >&2',
                 "  exit 1",
                 "fi",
-                program("matches", quote(fingerprint_json)),
+                fp_program("matches", quote(fingerprint_json)),
                 *install_wheel,
-                program("record", quote(provenance_json)),
+                fp_program("record", quote(provenance_json)),
                 'echo "fleetcuda: installed $(basename "$whl") from the control machine\'s cache"',
             ])
 
@@ -227,7 +178,7 @@ class SdistBuildStep(StepSpec):
         # target's ABI. A stale record is said last, so it is what reports show as found.
         check = "\n".join([
             *prologue, RESOLVE_ARCHS,
-            f"stale=$({program('compare')} 2>&1); stale_rc=$?",
+            f"stale=$({fp_program('compare', '2>&1')}\n); stale_rc=$?",
             f"if ! (\n{done}\n); then",
             '  [ "$stale_rc" = 0 ] || printf "%s\\n" "$stale"',
             "  exit 1",
