@@ -20,6 +20,7 @@ from fleetcuda.plan import view
 from fleetcuda.plan.command import BuiltCommand, quote
 from fleetcuda.plan.inventory import Target, load_inventory
 from fleetcuda.plan.recipe import load_recipe
+from fleetcuda.remote import catalog
 from fleetcuda.run.fingerprint import TARGET_PROGRAM
 from fleetcuda.run.locks import TargetLock
 from tests.conftest import REPO, run_fleetcuda
@@ -27,9 +28,9 @@ from tests.conftest import REPO, run_fleetcuda
 GDN = "recipes/gdn-fastpath.yaml"
 LAB = "inventories/lab.yaml"
 RUN = "deadbeef"
-# As the scripts contain it: sdist.py passes the program to `python -c` as one quoted word.
-FINGERPRINT = quote(TARGET_PROGRAM)
-PROGRAMS = {"abi-fingerprint": FINGERPRINT}
+# The programs fleetcuda sends, as the scripts contain them (the body of a quoted heredoc: the file's text).
+PROGRAMS = {name: program.text for name, program in catalog().items()}
+FINGERPRINT = PROGRAMS["fingerprint"]
 DIGEST = hashlib.sha256(FINGERPRINT.encode()).hexdigest()
 GDN_STEPS = ["preflight", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home", "build-deps",
              "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
@@ -226,10 +227,11 @@ def test_human_environment_is_listed_once_and_scripts_say_only_what_differs() ->
 
 def test_human_fingerprint_program_is_shown_once_and_referred_to() -> None:
     text = render("human", GDN, LAB, "lab-a/200")
-    reference = f"<program abi-fingerprint sha256:{DIGEST[:12]}>"
+    reference = f"<program fingerprint sha256:{DIGEST[:12]}>"
     all_blocks = blocks(text)
-    assert all_blocks.count(FINGERPRINT) == 1  # the program, whole, in the programs section
-    assert sum(FINGERPRINT in b for b in all_blocks) == 1
+    shown = FINGERPRINT.rstrip("\n")  # a block holds the program without its final newline
+    assert all_blocks.count(shown) == 1  # the program, whole, in the programs section
+    assert sum(shown in b for b in all_blocks) == 1
     assert text.count(f"sha256:{DIGEST}") == 1
     # Where the scripts had it: fingerprint, the cached-wheel install (twice), the build, the check (= verify).
     recipe, inv = load_recipe(REPO / GDN), load_inventory(REPO / LAB)
@@ -304,8 +306,9 @@ def test_json_has_the_documented_keys_and_the_shell_formats_lines(local_inventor
     for inventory in (LAB, local_inventory):
         doc = json.loads(render("json", GDN, inventory))
         assert doc["schema"] == "fleetcuda.plan/1" and set(doc) == TOP_KEYS
-        assert [p["name"] for p in doc["programs"]] == ["abi-fingerprint"]
-        assert doc["programs"][0]["sha256"] == DIGEST and doc["programs"][0]["text"] == FINGERPRINT
+        assert {p["name"] for p in doc["programs"]} >= {"fingerprint", "lock"}
+        for entry in doc["programs"]:
+            assert (entry["sha256"], entry["text"]) == (catalog()[entry["name"]].sha256, PROGRAMS[entry["name"]])
         shell = target_sections(render("shell", GDN, inventory), "# target ")
         for t in doc["targets"]:
             assert set(t) == TARGET_KEYS
@@ -338,8 +341,9 @@ def test_json_hops_and_transfers_are_structured() -> None:
                                                                 ("pull", "pct pull"), ("get", "sftp")]
     causal = t["steps"][7]
     assert causal["timeout"] == 7200 and causal["retries"] == 0
-    assert causal["scripts"]["fingerprint"]["programs"] == ["abi-fingerprint"]
-    assert causal["scripts"]["apply"]["script"].startswith("set -e -o pipefail\n")
+    assert "fingerprint" in causal["scripts"]["fingerprint"]["programs"]
+    # The build reports its wheel in a frame: the nonce is read from stdin first.
+    assert causal["scripts"]["apply"]["script"].startswith("IFS= read -r -d '' fcn\nset -e -o pipefail\n")
     assert t["steps"][2]["retries"] == 3 and t["steps"][2]["retry_delay"] == 5.0
 
 
