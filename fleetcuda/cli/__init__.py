@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from typing import IO
 
 from fleetcuda import __version__
@@ -96,6 +95,8 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
         raise
     except Exception as exc:
         if env.environ.get("FLEETCUDA_DEBUG"):
+            import traceback  # only for a bug's traceback: not a cost of every start
+
             traceback.print_exc(file=env.stderr)
         env.say(f"fleetcuda: internal error (a bug; FLEETCUDA_DEBUG=1 shows where): {type(exc).__name__}: {exc}")
         return ExitStatus.INTERNAL

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -97,6 +96,8 @@ def _install(args: argparse.Namespace, env: Environment, crontab_lock: Path) -> 
 
 def _fleetcuda_executable() -> str:
     """Cron's PATH will not find a virtualenv's fleetcuda: name the one beside this Python, by absolute path."""
+    import shutil
+
     beside = Path(sys.executable).parent / "fleetcuda"
     if beside.exists():
         return str(beside)
