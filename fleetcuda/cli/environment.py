@@ -51,7 +51,10 @@ class Environment:
     stderr_is_terminal: bool
     environ: Mapping[str, str]
     home: Path  # a local target's HOME (containers and SSH hosts get theirs from the planner)
-    cwd: Path  # where a scheduled job runs, and what relative paths it names are resolved against
+    # Where a scheduled job runs, and what the relative paths its argv names are made absolute against. Files
+    # named on the command line are opened by the loaders, from the process's own cwd: for a caller that
+    # sets this, the two should agree (from_process: they do).
+    cwd: Path
     state_dir: Path  # run directories, the history database and the crontab's lock live here
     clock: Callable[[], datetime] = field(default=_utc_now)  # aware UTC: a run's started/finished times
 
