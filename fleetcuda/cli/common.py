@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fleetcuda.cli.environment import Environment
 from fleetcuda.errors import InputError
@@ -25,11 +25,18 @@ if TYPE_CHECKING:
     from fleetcuda.connectors.base import Transport
     from fleetcuda.plan.inventory import Inventory, Target
     from fleetcuda.plan.recipe import Recipe
+    from fleetcuda.reports.formats import RunInfo
     from fleetcuda.results import TargetResult
     from fleetcuda.run.engine import Engine
 
 DEFAULT_INVENTORY = "inventories/example.yaml"
-REPORT_FORMATS = ("json", "junit", "prometheus")
+
+
+def reporters() -> dict[str, Callable[[RunInfo, list[TargetResult]], str]]:
+    """The report formats of `verify --format/--report`, by name (imported when a verify needs them)."""
+    from fleetcuda.reports.formats import to_json, to_junit, to_prometheus
+
+    return {"json": to_json, "junit": to_junit, "prometheus": to_prometheus}
 
 
 def add_inventory_option(sp: argparse.ArgumentParser, env: Environment, *, with_help: bool = False) -> None:
@@ -173,13 +180,12 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
            env: Environment) -> ExitStatus:
     """What a run ends with: the interrupted targets, the table or summary, each report, the history record
     and where the logs are; the exit status (a report that could not be written fails an ok run)."""
-    from fleetcuda.reports.formats import RunInfo, render_table, to_json, to_junit, to_prometheus, write_atomically
+    from fleetcuda.reports.formats import RunInfo, render_table, write_atomically
     from fleetcuda.reports.history import record
     from fleetcuda.reports.live import summary
     from fleetcuda.results import exit_code
 
-    reporters: dict[str, Callable[[Any, list[TargetResult]], str]] = {
-        "json": to_json, "junit": to_junit, "prometheus": to_prometheus}
+    render_report = reporters()
     recipe, inventory = inputs.recipe, inputs.inventory
     if engine.interrupted:
         console.print("[magenta]interrupted[/]: what had run, and what was stopped on each target:")
@@ -195,7 +201,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
     # Each output is written whatever happened to the one before: a report that cannot be written must not
     # cost the history record, nor the history the report.
     for fmt, path in reports:
-        text = reporters[fmt](info, results)
+        text = render_report[fmt](info, results)
         try:
             if path is None:
                 env.stdout.write(text)

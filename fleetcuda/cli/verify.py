@@ -44,7 +44,7 @@ def report_targets(args: argparse.Namespace, env: Environment) -> list[tuple[str
         raise InputError("--output", None, "", "needs --format json, junit or prometheus")
     for item in args.report:
         fmt, sep, path = item.partition("=")
-        if not sep or fmt not in common.REPORT_FORMATS or not path:
+        if not sep or fmt not in common.reporters() or not path:
             shown = item[:60] if item[:60].isprintable() else ascii(item[:60])
             raise InputError("--report", None, shown, "expected FORMAT=PATH with FORMAT json, junit or prometheus")
         check_output_path("--report", path)
