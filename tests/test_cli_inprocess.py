@@ -280,6 +280,15 @@ def test_an_interrupted_apply_stops_its_step_and_exits_130(cli: Cli, local: Path
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored for whatever runs next
 
 
+def test_a_host_that_cannot_be_reached_is_exit_3(cli: Cli, tmp_path: Path) -> None:
+    known_hosts = write(tmp_path / "known_hosts", "")
+    closed = write(tmp_path / "far.yaml", "hosts:\n  far:\n    address: 127.0.0.1\n    port: 1\n    user: root\n"
+                                          f"    known_hosts: {known_hosts}\n")
+    got = cli("verify", converge_recipe(tmp_path), "-i", closed, "--plain", "--no-history")
+    assert got.code == ExitStatus.UNREACHABLE
+    assert "far done: unreachable: root@[127.0.0.1]:1: cannot connect" in got.out
+
+
 # -- history and schedule: reading --------------------------------------------------------------------------------
 
 

@@ -84,3 +84,14 @@ def test_a_local_verify_loads_the_engine_but_no_ssh_connector(tmp_path: Path) ->
     assert code == 0 and "h done: ok" in out
     assert "fleetcuda.run.engine" in loaded  # it did run
     assert loaded.isdisjoint({"paramiko", "fleetcuda.connectors.ssh", "rich.live"})
+
+
+def test_the_ssh_connector_is_loaded_when_a_host_needs_it(tmp_path: Path) -> None:
+    recipe, inventory = tmp_path / "r.yaml", tmp_path / "far.yaml"
+    recipe.write_text("name: r\nsteps:\n  - name: s\n    verify: 'true'\n")
+    inventory.write_text(f"hosts:\n  far:\n    address: 127.0.0.1\n    port: 1\n    user: root\n"
+                         f"    known_hosts: {tmp_path / 'known_hosts'}\n")
+    (tmp_path / "known_hosts").write_text("")
+    code, out, loaded = probe(["verify", str(recipe), "-i", str(inventory), "--plain", "--no-history"], tmp_path)
+    assert code == 3 and "far done: unreachable" in out  # nothing listens on port 1
+    assert {"paramiko", "fleetcuda.connectors.ssh"} <= loaded
