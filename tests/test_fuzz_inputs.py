@@ -782,7 +782,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
     """No host can be reached: SSH transports refuse to be made, and so does any socket connection."""
     import socket
 
-    from fleetcuda import cli
+    from fleetcuda.run import engine
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise _NoNetwork(f"the argv fuzz tried to connect: {args!r}")
@@ -790,7 +790,6 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
     from fleetcuda.connectors import ssh as transport
 
     monkeypatch.setattr(transport, "SshTransport", refuse)  # the CLI imports it from here when a host needs it
-    monkeypatch.setattr(cli, "SshTransport", refuse, raising=False)
 
     def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
         # Stand-in for engine.make_run_dir, which (1) names a run's directory by the second and the pid, so two
@@ -803,7 +802,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, sandbox: dict[str, str]) -> dict[st
         runs.mkdir(parents=True, exist_ok=True, mode=0o700)
         return Path(tempfile.mkdtemp(prefix=f"{mode}-{recipe}-", dir=runs))
 
-    monkeypatch.setattr(cli, "make_run_dir", make_run_dir)
+    monkeypatch.setattr(engine, "make_run_dir", make_run_dir)  # the CLI imports it from there as a run starts
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)

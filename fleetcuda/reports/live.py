@@ -13,11 +13,12 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
+    from rich.live import Live
+
     from fleetcuda.results import StepResult, TargetResult
 
 STATUS_STYLE = {
@@ -82,6 +83,8 @@ class RichReporter(Reporter):
         self.console.print(Text.assemble((mode, "bold"), f" {recipe} on {len(targets)} target(s)"))
         for t in targets:
             self.rows[t] = {"status": "pending", "step": "", "since": time.monotonic(), "last": ""}
+        from rich.live import Live  # the live display only: history, reports and plain runs never need it
+
         self.live = Live(get_renderable=self._table, console=self.console, refresh_per_second=4, transient=True)
         self.live.start()
 

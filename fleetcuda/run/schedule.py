@@ -22,8 +22,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetcuda.reports.formats import write_atomically
-
 MARKER = "fleetcuda-verify"
 DEFAULT_NAME = "nightly"
 DEFAULT_AT = "0 3 * * *"
@@ -344,6 +342,8 @@ def _run_checked(argv: list[str]) -> object:
 
 
 def _write_if_changed(path: Path, text: str) -> bool:
+    from fleetcuda.reports.formats import write_atomically  # not at the top: show and remove draw nothing
+
     try:
         if path.read_text(encoding="utf-8") == text and (path.stat().st_mode & 0o777) == 0o644:
             return False

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fleetcuda.connectors.base import Transport
-from fleetcuda.connectors.transfer import host_staging_dir, in_target, into_container, remove_on_host, to_host
 from fleetcuda.errors import FleetcudaError, InputError
-from fleetcuda.plan.command import join_for_paste, quote
-from fleetcuda.plan.inventory import Target
-from fleetcuda.plan.recipe import Recipe
-from fleetcuda.plan.templating import render
+
+# Light at import (what runs, renders or connects is imported by the function that does it): the parser,
+# for `fleetcuda --help` too, reads DEFAULT_DEST, and the wheel cache reads sha256.
+if TYPE_CHECKING:
+    from fleetcuda.connectors.base import Transport
+    from fleetcuda.plan.inventory import Target
+    from fleetcuda.plan.recipe import Recipe
 
 DEFAULT_DEST = "/var/cache/fleetcuda/wheelhouse"
 SUFFIXES = (".whl", ".tar.gz", ".zip")
@@ -38,6 +39,8 @@ class DownloadPlan:
 
 def plan_download(recipe: Recipe, values: dict[str, str], dest: Path, *, python: str, python_version: str | None,
                   platforms: list[str], pip_args: list[str]) -> DownloadPlan:
+    from fleetcuda.plan.templating import render
+
     spec = recipe.wheelhouse
     if spec is None or not (spec.wheels or spec.sdists):
         raise FleetcudaError(f"{recipe.path}: the recipe has no `wheelhouse:` section listing wheels and sdists")
@@ -59,6 +62,10 @@ def plan_download(recipe: Recipe, values: dict[str, str], dest: Path, *, python:
 
 
 def run_download(plan: DownloadPlan, echo: Callable[[str], None]) -> None:
+    import subprocess
+
+    from fleetcuda.plan.command import join_for_paste, quote
+
     for argv, env in plan.commands:
         shown = " ".join(f"{k}={quote(v)}" for k, v in env.items())
         echo(f"$ {shown + ' ' if shown else ''}{join_for_paste(argv)}")
@@ -96,6 +103,9 @@ def sha256(path: Path) -> str:
 def push(target: Target, transport: Transport, files: list[Path], dest: str,
          echo: Callable[[str], None]) -> None:
     """Copy files to `dest` in the target; containers receive them through `pct push`."""
+    from fleetcuda.connectors.transfer import host_staging_dir, in_target, into_container, remove_on_host, to_host
+    from fleetcuda.plan.command import quote
+
     in_target(transport, target, f"umask 022; mkdir -p {quote(dest)}", f"creating {dest}", timeout=60)
     if target.container is None:
         for f in files:

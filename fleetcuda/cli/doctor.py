@@ -1,0 +1,51 @@
+"""`fleetcuda doctor`: per target, nvcc, torch, the GPU, causal_conv1d, fla and transformers' fast path."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from fleetcuda.cli import common
+from fleetcuda.cli.environment import Environment
+from fleetcuda.results import ExitStatus
+
+
+def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
+    dp = sub.add_parser("doctor", help="per target: nvcc, torch, GPU, causal_conv1d, fla, transformers' fast path")
+    common.add_inventory_option(dp, env)
+    dp.add_argument("--limit")
+    dp.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
+    from fleetcuda.connectors.base import TransportPool
+    from fleetcuda.errors import HostKeyError, UnreachableError
+    from fleetcuda.plan.inventory import load_inventory
+    from fleetcuda.run import doctor
+
+    inventory = load_inventory(args.inventory)
+    targets = inventory.select(args.limit)
+    pool = TransportPool(common.transport_factory(inventory))
+    home = common.local_home(env)
+    reports: dict[str, dict] = {}
+    code = ExitStatus.OK
+    try:
+        for t in targets:
+            try:
+                res = pool.get(t.host).run(doctor.command(t, home(t)), timeout=300, on_line=lambda line: None)
+                reports[t.id] = doctor.parse(res.output)
+            except (UnreachableError, HostKeyError) as exc:
+                reports[t.id] = {"error": str(exc)}
+                code = ExitStatus.UNREACHABLE
+    finally:
+        pool.close()
+    found = {tid: doctor.findings(r) for tid, r in reports.items()}
+    if any(f.status == "fail" for items in found.values() for f in items) and code == ExitStatus.OK:
+        code = ExitStatus.FAILED
+    if args.format == "json":
+        print(json.dumps({tid: {"report": reports[tid], "findings": [dataclasses.asdict(f) for f in items]}
+                          for tid, items in found.items()}, indent=2), file=env.stdout)
+    else:
+        doctor.render(found, env.console())
+    return code
