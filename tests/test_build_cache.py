@@ -221,7 +221,8 @@ def test_the_install_of_a_cached_wheel_runs_as_its_own_step() -> None:
 
 
 def test_dry_run_shows_the_wheel_build_and_share_builds_false_the_old_install(tmp_path: Path) -> None:
-    args = ("apply", "recipes/gdn-fastpath.yaml", "-i", "inventories/lab.yaml", "--limit", "lab-a/200", "--dry-run")
+    args = ("apply", "recipes/gdn-fastpath.yaml", "-i", "inventories/lab.yaml", "--limit", "lab-a/200", "--dry-run",
+            "--format", "shell")
     shared = run_fleetcuda(*args, state=tmp_path, check=True).stdout
     assert "pip wheel --disable-pip-version-check --no-input --no-build-isolation --no-cache-dir --no-deps" in shared
     assert "@@fleetcuda:${fcn} wheel $whl $sha" in shared and "stale=" in shared

@@ -120,7 +120,7 @@ def test_recipe_env_is_rendered(tmp_path: Path) -> None:
             verify: test "$GREETING" = "hi bob"
         """)
     assert run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s").returncode == 0
-    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", state=tmp_path / "s")
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--format", "shell", state=tmp_path / "s")
     assert "'GREETING=hi bob'" in proc.stdout and "{{" not in proc.stdout
 
 

@@ -188,8 +188,8 @@ def test_dry_run_lines_pasted_into_a_shell_do_what_apply_does(lab: LoopbackSshd,
     common = ["-i", str(env["inv"]), "--limit", "zshhost,bashhost/300", "--var", "greeting=it's $HOME!"]
     fleetcuda("apply", str(MARKER), *common, "--var", f"root={by_apply}", "--plain", state=env["state"],
               check=True)
-    dry = fleetcuda("apply", str(MARKER), *common, "--var", f"root={by_hand}", "--dry-run", state=env["state"],
-                    check=True)
+    dry = fleetcuda("apply", str(MARKER), *common, "--var", f"root={by_hand}", "--dry-run", "--format", "shell",
+                    state=env["state"], check=True)
     # Replay as apply does: per step, the check; if it fails, apply then verify.
     blocks = _dry_run_steps(dry.stdout)
     assert blocks, dry.stdout

@@ -175,7 +175,8 @@ def test_dry_run_lines_run_by_hand_do_what_apply_does(converged: subprocess.Comp
                                                       shell: str, target: str, reference: str) -> None:
     assert converged.returncode == 0
     reset(target.removeprefix("lab-"))
-    dry = run_fleetcuda("apply", GDN, "-i", INV, "--dry-run", "--limit", target, state=state, check=True)
+    dry = run_fleetcuda("apply", GDN, "-i", INV, "--dry-run", "--format", "shell", "--limit", target, state=state,
+                        check=True)
     lines = dry.stdout.splitlines()
     steps: list[dict[str, str]] = []
     for i, line in enumerate(lines):
@@ -258,7 +259,8 @@ def test_unknown_or_changed_host_key_is_refused(state: Path, tmp_path: Path) -> 
     ("lab-b,lab-a/200", ["lab-a/200", "lab-b/300", "lab-b/301"]),
 ])
 def test_limit_selects_exactly(state: Path, limit: str, expected: list[str]) -> None:
-    out = run_fleetcuda("apply", GDN, "-i", INV, "--dry-run", "--limit", limit, state=state, check=True)
+    out = run_fleetcuda("apply", GDN, "-i", INV, "--dry-run", "--format", "shell", "--limit", limit, state=state,
+                        check=True)
     assert re.findall(r"^# target (\S+)", out.stdout, re.M) == expected
 
 

@@ -158,7 +158,7 @@ def test_the_value_is_not_in_the_script_text() -> None:
 
 @pytest.mark.parametrize("template", [
     "let v={{ n }}+1", "declare -i v={{ n }}", "local -ri v={{ n }}", "a[{{ n }}]=1", "echo $[ {{ n }} + 1 ]",
-    'x=1; let "v = {{ n }}"; echo ok',
+    'x=1; let "v = {{ n }}"; echo ok', "arr=([{{ n }}]=1)", 'declare -a arr=(["{{ n }}"]=x [2]=y)',
 ])
 def test_other_arithmetic_takes_integers_only(template: str, tmp_path: Path) -> None:
     """bash evaluates these as arithmetic, where `a[$(cmd)]` runs cmd: only integers get through."""
@@ -177,3 +177,19 @@ def test_other_arithmetic_takes_integers_only(template: str, tmp_path: Path) -> 
 def test_strings_bash_runs_later_as_code_refuse_values(template: str) -> None:
     with pytest.raises(TemplateError, match="runs as code later"):
         render_shell(template, {"x": "1"})
+
+
+def test_a_compound_array_assignments_key_is_arithmetic(tmp_path: Path) -> None:
+    """`arr=([key]=v)`: bash evaluates the key of an indexed array as arithmetic after expanding it, so a
+    value `$(cmd)` there runs cmd even from a quoted variable (found by the export's red team)."""
+    pwned = tmp_path / "pwned"
+    hostile = f"$(touch {pwned})"
+    # What bash does with it when nothing stands in the way: the reason for the refusal below.
+    subprocess.run(["bash", "-c", 'v=$1; arr=(["$v"]=1)', "bash", hostile], capture_output=True, timeout=30)
+    assert pwned.exists()
+    pwned.unlink()
+    with pytest.raises(TemplateError, match="integer"):
+        render_shell("arr=([{{ n }}]=1)", {"n": hostile})
+    rendered = render_shell("arr=([{{ n }}]=1); echo ${arr[3]}", {"n": "3"})
+    run_bash(rendered.text, rendered.vars, tmp_path)
+    assert not pwned.exists()

@@ -305,6 +305,11 @@ def scan(text: str, ref: re.Pattern[str] = _REF) -> list[tuple[re.Match[str], st
             elif two == "[[" and at_word_start(i) and text[i + 2:i + 3] in (" ", "\t", "\n"):
                 stack.append(["dbracket", 0])
                 i += 2
+            elif c == "[" and at_word_start(i) and text[i + 1:i + 2] not in ("", " ", "\t", "\n", "["):
+                # `([key]=value)` in a compound array assignment: bash evaluates the key as arithmetic too
+                # (a glob `[...]` at a word's start gets the same care).
+                stack.append(["subscript", 0])
+                i += 1
             elif two == "]]" and ctx == "dbracket":
                 stack.pop()
                 i += 2
