@@ -43,7 +43,17 @@ KEPT_WHEEL_DIR = "'(?<=" + WHEEL_MARK + " )/tmp/fleetcuda-wheel[.][A-Za-z0-9]+(?
 
 
 class Unsafe(str):
-    """A string Ansible must never template: written with YAML's `!unsafe` tag."""
+    """A string Ansible must never template. Written double-quoted (every byte a script holds, newlines, quotes
+    and control characters, escaped losslessly) inside a list or mapping tagged `!unsafe`: ansible-core resolves
+    an `!unsafe` scalar as if it were plain (`!unsafe "1"` is an int, `!unsafe ""` None), a container not."""
+
+
+class UnsafeList(list[Unsafe]):
+    pass
+
+
+class UnsafeMap(dict[str, Unsafe]):
+    pass
 
 
 class _Dumper(yaml.SafeDumper):
@@ -51,8 +61,15 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _unsafe(dumper: yaml.SafeDumper, data: Unsafe) -> yaml.Node:
-    # Double quotes: every byte a script holds (newlines, quotes, control characters) is escaped losslessly.
-    return dumper.represent_scalar("!unsafe", str(data), style='"')
+    return dumper.represent_scalar("tag:yaml.org,2002:str", str(data), style='"')
+
+
+def _unsafe_list(dumper: yaml.SafeDumper, data: UnsafeList) -> yaml.Node:
+    return dumper.represent_sequence("!unsafe", data)
+
+
+def _unsafe_map(dumper: yaml.SafeDumper, data: UnsafeMap) -> yaml.Node:
+    return dumper.represent_mapping("!unsafe", data)
 
 
 def _text(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
@@ -61,6 +78,8 @@ def _text(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
 
 
 _Dumper.add_representer(Unsafe, _unsafe)
+_Dumper.add_representer(UnsafeList, _unsafe_list)
+_Dumper.add_representer(UnsafeMap, _unsafe_map)
 _Dumper.add_representer(str, _text)
 
 
@@ -120,11 +139,11 @@ class _Placeholders:
         token = pyrandom.token_hex(8)
         self.by_value = {f"fcsecret{i}x{token}": name for i, name in enumerate(names)}
 
-    def stdin_expression(self, stdin: str, where: str, ref: str) -> tuple[str, list[Unsafe]]:
+    def stdin_expression(self, stdin: str, where: str, ref: str) -> tuple[str, UnsafeList]:
         """`stdin` with each placeholder as its prompted variable, as one Jinja expression, and the literal
         text between them (NULs, the rest of a URL), which the expression names as `<ref>.stdin_text[i]`."""
         parts: list[str] = []
-        literals: list[Unsafe] = []
+        literals = UnsafeList()
 
         def literal(text: str) -> None:
             parts.append(f"{ref}.stdin_text[{len(literals)}]")
@@ -159,7 +178,7 @@ def _command(target: Target, built: BuiltCommand, placeholders: _Placeholders, w
              ref: str) -> dict[str, Any]:
     argv = _inner_argv(target, built)
     placeholders.check_absent(argv, where)
-    out: dict[str, Any] = {"argv": [Unsafe(a) for a in argv]}
+    out: dict[str, Any] = {"argv": UnsafeList(Unsafe(a) for a in argv)}
     if built.stdin:
         out["stdin"], out["stdin_text"] = placeholders.stdin_expression(built.stdin, where, ref)
     return out
@@ -348,7 +367,7 @@ def _host_vars(h: HostExport) -> dict[str, Any]:
     return {
         # The variables as fleetcuda resolved them for this target (recipe < inventory < groups < host <
         # container < --var), secrets left out; the commands below already hold them.
-        "fleetcuda_vars": {k: Unsafe(v) for k, v in sorted(h.public_vars.items())},
+        "fleetcuda_vars": UnsafeMap({k: Unsafe(v) for k, v in sorted(h.public_vars.items())}),
         "fleetcuda_steps": h.steps,
     }
 
