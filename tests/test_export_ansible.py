@@ -189,7 +189,8 @@ def test_scripts_reach_bash_byte_for_byte_and_secrets_only_on_stdin(tmp_path: Pa
     for path in project.rglob("*"):
         if path.is_file():
             assert "s3'cr" not in path.read_text() and "placeholder" not in path.read_text(), path
-    run = playbook(ansible, project, "site.yml", "-e", json.dumps({"fleetcuda_secret_api_token": secret}))
+    secret_var = json.dumps({"fleetcuda_secret_api_token": secret})
+    run = playbook(ansible, project, "site.yml", "-e", secret_var)
     assert run.rc == 0, run.output[-3000:]
     assert secret not in run.output  # no_log
     assert (outdir / "secret").read_text() == secret and (outdir / "secret2").read_text() == secret
@@ -197,5 +198,10 @@ def test_scripts_reach_bash_byte_for_byte_and_secrets_only_on_stdin(tmp_path: Pa
     for n, script in enumerate(NASTY_SCRIPTS):
         expected = subprocess.run(["/bin/bash", "--noprofile", "--norc", "-c", script], capture_output=True).stdout
         assert (outdir / f"nasty-{n}").read_bytes() == expected, script
-    again = playbook(ansible, project, "site.yml", "-e", json.dumps({"fleetcuda_secret_api_token": secret}))
+    again = playbook(ansible, project, "site.yml", "-e", secret_var)
     assert again.rc == 0 and again.recap["h"]["changed"] == 0, again.output[-2000:]
+    assert playbook(ansible, project, "verify.yml", "-e", secret_var).rc == 0
+    (outdir / "secret").unlink()  # drift: every step is still verified, the drifted one fails the host
+    drift = playbook(ansible, project, "verify.yml", "-e", secret_var)
+    assert drift.rc != 0 and drift.recap["h"]["failed"] == 1 and "drift: with-secret" in drift.output
+    assert drift.output.count(": verify] ") == len(steps)

@@ -300,9 +300,12 @@ def _step_block(exp: Export, step: str, mode: str) -> dict[str, Any]:
     secret = step in exp.secret_steps
     tasks: list[dict[str, Any]] = []
     if mode == "verify":
+        # Every step is verified, as `fleetcuda verify` does; the drifted ones fail the host at the end.
         t = _cmd_task(f"{step}: verify", "after", step, secret=secret)
-        t.update({"changed_when": False, "check_mode": False})
+        t.update({"register": "fc_verify", "changed_when": False, "failed_when": False, "check_mode": False})
         tasks.append(t)
+        tasks.append({"name": f"{step}: drift", "when": "fc_verify.rc != 0",
+                      "ansible.builtin.set_fact": {"fc_drifted": f"{{{{ fc_drifted + [{_jinja_literal(step)}] }}}}"}})
     else:
         check = _cmd_task(f"{step}: check", "check", step, secret=secret)
         check.update({
@@ -355,6 +358,10 @@ def _play(exp: Export, mode: str) -> list[dict[str, Any]]:
         play["vars_prompt"] = [{"name": SECRET_PREFIX + n, "prompt": f"{n} (secret)", "private": True,
                                 "unsafe": True} for n in exp.secret_names]
     play["tasks"] = [_step_block(exp, step, mode) for step in exp.step_names]
+    if mode == "verify":
+        play["tasks"].insert(0, {"name": "no drift seen yet", "ansible.builtin.set_fact": {"fc_drifted": []}})
+        play["tasks"].append({"name": "drifted steps", "when": "fc_drifted | length > 0",
+                              "ansible.builtin.fail": {"msg": "drift: {{ fc_drifted | join(', ') }}"}})
     return [play]
 
 
@@ -445,6 +452,8 @@ Non-interactively (AWX: a survey or a credential's extra vars; or a vaulted file
 - **`auto` facts**: the export refuses them; the values were given with `--var` or in the inventory
   (`host_vars/*.yml` `fleetcuda_vars` shows them as resolved).
 - **Jump hosts** and a `pct` other than `/usr/sbin/pct`: refused at export.
+- **A closed stdin**: fleetcuda closes a command's stdin; `proxmox_pct_remote` leaves it open and empty (no
+  terminal: `pty = False` in ansible.cfg, since a terminal would stop apt and dpkg in `timeout`'s process group).
 """
 
 
