@@ -223,7 +223,7 @@ def test_apply_converges_then_finds_nothing_to_do(cli: Cli, local: Path, tmp_pat
 
 
 def test_a_dry_run_prints_the_commands_and_runs_none(cli: Cli, local: Path, tmp_path: Path) -> None:
-    got = cli("apply", converge_recipe(tmp_path), "-i", local, "--dry-run")
+    got = cli("apply", converge_recipe(tmp_path), "-i", local, "--dry-run", "--format", "shell")
     assert got.code == ExitStatus.OK and got.err == ""
     assert got.out.startswith(f"# fleetcuda apply {tmp_path / 'converge.yaml'} --dry-run: 1 target(s) from {local}")
     assert "# step 1/1 touch (shell): check (exit 0 means already satisfied)" in got.out
@@ -391,3 +391,15 @@ def test_the_environment_is_frozen(tmp_path: Path) -> None:
     with pytest.raises(AttributeError):
         env.state_dir = tmp_path  # type: ignore[misc]
     assert env.state_dir == tmp_path / ".local" / "state" / "fleetcuda"
+
+
+def test_format_is_for_dry_runs_and_each_format_is_what_it_says(cli: Cli, local: Path, tmp_path: Path) -> None:
+    recipe = converge_recipe(tmp_path)
+    refused = cli("apply", recipe, "-i", local, "--format", "json")
+    assert refused.code == ExitStatus.INPUT and "--format" in refused.err and "only goes with --dry-run" in refused.err
+    assert not (tmp_path / "made").exists()
+    doc = json.loads(cli("apply", recipe, "-i", local, "--dry-run", "--format", "json").out)
+    assert doc["schema"] == "fleetcuda.plan/1" and [s["name"] for s in doc["targets"][0]["steps"]] == ["touch"]
+    human = cli("apply", recipe, "-i", local, "--dry-run").out
+    assert "step 1/1 touch (shell)" in human and max(len(line) for line in human.splitlines()) <= 160
+    assert not (tmp_path / "made").exists()

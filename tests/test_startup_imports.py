@@ -69,7 +69,7 @@ def test_schedule_show_loads_no_recipe_or_connection_modules(tmp_path: Path) -> 
 
 def test_a_dry_run_of_ssh_targets_loads_no_ssh_connector_nor_engine(tmp_path: Path) -> None:
     code, out, loaded = probe(["apply", "recipes/gdn-fastpath.yaml", "-i", "inventories/lab.yaml", "--dry-run",
-                               "--limit", "lab-a/200"], tmp_path)
+                               "--format", "shell", "--limit", "lab-a/200"], tmp_path)
     assert code == 0 and "# target lab-a/200" in out
     assert {"pydantic", "fleetcuda.plan.planner"} <= loaded  # it did load and plan
     assert loaded.isdisjoint({"paramiko", "cryptography", "fleetcuda.connectors.ssh", "fleetcuda.run.engine",
