@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetcuda.connectors.base import TransportPool
-from fleetcuda.connectors.fake import FakeTransport
+from fleetcuda.connectors.fake import FakeTransport, exit_with, ok
 from fleetcuda.plan.inventory import load_inventory
 from fleetcuda.plan.recipe import load_recipe
 from fleetcuda.reports.live import Reporter
 from fleetcuda.results import StepResult, TargetResult
+from fleetcuda.run import fingerprint
 from fleetcuda.run.engine import Engine
 from fleetcuda.run.locks import TargetLock, run_owner
 from fleetcuda.run.wheelcache import WheelCache
@@ -67,3 +69,20 @@ def make_engine(tmp_path: Path, steps: str, *, mode: str = "apply", inventory: s
 
 def log_of(engine: Engine, target: str) -> str:
     return (engine.run_dir / (target.replace("/", "_") + ".log")).read_text()
+
+
+# A shared build (sdist_build) on two containers of one ABI fingerprint.
+STEP = "  - name: ext\n    kind: sdist_build\n    package: causal-conv1d\n    version: '1.7.0'\n"
+FP = {"package": "causal-conv1d", "version": "1.7.0", "python": "3.11", "abi": "cpython-311-x86_64-linux-gnu",
+      "platform": "linux-x86_64", "glibc": "2.36", "torch": "2.11.0+cu128", "torch_cuda": "12.8", "cxx11_abi": "1",
+      "nvcc": "12.8", "archs": "upstream"}
+WHEEL = "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl"
+WHEEL_BYTES = b"PK\x03\x04 a wheel built in the container"
+
+
+def fake_fleet() -> FakeTransport:
+    """Two containers of one fingerprint whose extension is not installed yet; a build leaves a wheel."""
+    fake = FakeTransport()
+    fake.on(step="ext", phase="check", reply=exit_with(1, "No module named 'causal_conv1d'"))
+    fake.on(step="ext", phase="fingerprint", reply=ok(f"{fingerprint.FINGERPRINT_MARK} {json.dumps(FP)}"))
+    return fake

@@ -17,22 +17,7 @@ from fleetcuda.results import StepStatus, TargetStatus
 from fleetcuda.run import fingerprint
 from fleetcuda.run.engine import Engine
 from fleetcuda.run.wheelcache import CacheEntry, WheelCache
-from tests.run_support import TWO_CONTAINERS, Recorder, log_of, make_engine
-
-STEP = "  - name: ext\n    kind: sdist_build\n    package: causal-conv1d\n    version: '1.7.0'\n"
-FP = {"package": "causal-conv1d", "version": "1.7.0", "python": "3.11", "abi": "cpython-311-x86_64-linux-gnu",
-      "platform": "linux-x86_64", "glibc": "2.36", "torch": "2.11.0+cu128", "torch_cuda": "12.8", "cxx11_abi": "1",
-      "nvcc": "12.8", "archs": "upstream"}
-WHEEL = "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl"
-WHEEL_BYTES = b"PK\x03\x04 a wheel built in the container"
-
-
-def fake_fleet() -> FakeTransport:
-    """Two containers of one fingerprint whose extension is not installed yet; a build leaves a wheel."""
-    fake = FakeTransport()
-    fake.on(step="ext", phase="check", reply=exit_with(1, "No module named 'causal_conv1d'"))
-    fake.on(step="ext", phase="fingerprint", reply=ok(f"{fingerprint.FINGERPRINT_MARK} {json.dumps(FP)}"))
-    return fake
+from tests.run_support import FP, STEP, TWO_CONTAINERS, WHEEL, WHEEL_BYTES, Recorder, fake_fleet, log_of, make_engine
 
 
 def build_leaves_a_wheel(fake: FakeTransport, entered: threading.Event, held: threading.Event) -> None:

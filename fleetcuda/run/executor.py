@@ -66,10 +66,12 @@ class Executor:
     def run(self) -> list[TargetResult]:
         results = {t.id: TargetResult(t.id) for t in self.targets}
         executor = ThreadPoolExecutor(max_workers=self.forks, thread_name_prefix="fleetcuda")
-        self.locks.start_refreshing()
-        futures: dict[Future[None], Target] = {
-            executor.submit(self._run_target, t, results[t.id]): t for t in interleave_hosts(self.targets)}
+        futures: dict[Future[None], Target] = {}
         try:
+            # Inside the try: a Ctrl-C that comes while the first targets already run is handled like any other.
+            self.locks.start_refreshing()
+            for t in interleave_hosts(self.targets):
+                futures[executor.submit(self._run_target, t, results[t.id])] = t
             pending = set(futures)
             while pending:
                 _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
