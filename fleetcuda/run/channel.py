@@ -201,9 +201,11 @@ class TargetChannel(Transport):
             with purpose(self.target.id, self.step, phase):
                 copy()
         except BaseException as exc:
-            self.log.write(f"## {phase} failed after {time.monotonic() - start:.2f}s: {self.redact(str(exc))}\n")
+            # Ended as a command's "## exit" line: cli's interruption summary takes the other `## ` lines as starts.
+            self.log.write(f"## exit 1 after {time.monotonic() - start:.2f}s ({phase} failed: "
+                           f"{self.redact(str(exc))})\n")
             raise
-        self.log.write(f"## {phase} done after {time.monotonic() - start:.2f}s\n")
+        self.log.write(f"## exit 0 after {time.monotonic() - start:.2f}s\n")
         # Ctrl-C aborts a transfer as it aborts a command (the connector's abort closes its channel).
         self._check_cancel()
 

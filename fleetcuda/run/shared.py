@@ -18,7 +18,7 @@ from fleetcuda.plan.command import quote
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.planner import PlannedStep
 from fleetcuda.run import fingerprint
-from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel, now
+from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel, now, private_file
 from fleetcuda.run.diagnosis import maybe_unreachable
 from fleetcuda.run.retry import Sleep, apply_with_retries
 from fleetcuda.run.wheelcache import BuildBroker, CacheEntry, WheelCache
@@ -211,6 +211,9 @@ class SharedBuilds:
             self._host_copies.clear()
         for target, staging in copies:
             try:
-                transfer.remove_on_host(self.ctx.pool.get(target.host), target, staging)
+                # Logged, after the target's result, in the log of the target that uploaded it.
+                with private_file(self.ctx.log_path(target)) as log:
+                    cleanup = TargetChannel(self.ctx, target, log, "cleanup", cancellable=False)
+                    transfer.remove_on_host(cleanup, target, staging)
             except (FleetcudaError, OSError):
                 pass
