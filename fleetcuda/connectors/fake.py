@@ -83,6 +83,12 @@ class Gate:
     def release(self) -> None:
         self._released.set()
 
+    def hold(self, call: Call) -> None:
+        """What the blocked call does: say it arrived, then wait for release (or abort)."""
+        self.calls.append(call)
+        self.entered.set()
+        self._released.wait()
+
     def wait_entered(self, timeout: float = 5.0) -> Call:
         if not self.entered.wait(timeout):
             raise TimeoutError("no call reached the gate")
@@ -156,7 +162,7 @@ class FakeLocks:
     def said(self, word: str) -> int:
         return sum(1 for w, _, _ in self.events if w == word)
 
-    def _act(self, action: str, name: str, owner: str) -> tuple[str, list[str]]:
+    def act(self, action: str, name: str, owner: str) -> tuple[str, list[str]]:
         """(frame word, its fields) for one action of run.locks' scripts."""
         with self._lock:
             holder = self.owners.get(name)
@@ -322,9 +328,7 @@ class FakeTransport(Transport):
     def _reply(self, rule: Rule, call: Call) -> RunResult:
         start = time.monotonic()
         if rule.gate is not None:
-            rule.gate.calls.append(call)
-            rule.gate.entered.set()
-            rule.gate._released.wait()
+            rule.gate.hold(call)
             if rule.gate.aborted:
                 return RunResult(143, "Terminated", time.monotonic() - start)
         res = rule.reply(call) if callable(rule.reply) else rule.reply
@@ -347,7 +351,7 @@ class FakeTransport(Transport):
             owner_m = (_NEW_OWNER if action == "acquire" else _OWNED_BY).search(script)
             if f" lock {word}\"" not in script or owner_m is None:
                 continue
-            said, fields = self.locks._act(action, name_m[0], _word(owner_m[1]))
+            said, fields = self.locks.act(action, name_m[0], _word(owner_m[1]))
             if said:
                 out += f"\n{mark} lock {' '.join([said, *fields])}\n"
             if said == "busy":

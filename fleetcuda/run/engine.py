@@ -105,6 +105,14 @@ class Engine:
         return self.ctx.run_id
 
     @property
+    def lock_refresh_s(self) -> float:
+        return self.locks.refresh_s
+
+    @lock_refresh_s.setter
+    def lock_refresh_s(self, seconds: float) -> None:  # read by the refresh thread at each wait
+        self.locks.refresh_s = seconds
+
+    @property
     def cancel(self) -> threading.Event:
         return self.ctx.cancel
 
