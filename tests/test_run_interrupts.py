@@ -95,6 +95,7 @@ def test_ctrl_c_during_a_transfer_aborts_it(tmp_path: Path, signals: None) -> No
     threading.Thread(target=lambda: (gate.wait_entered(), ctrl_c()), daemon=True).start()
     [result] = engine.run()
     assert gate.aborted and result.status == TargetStatus.INTERRUPTED and result.error == "interrupted"
-    assert fake.calls_for(phase="install") == []
+    assert fake.calls_for(phase="install") == [] and fake.calls_for(phase="apply") == []  # nor a build instead
+    assert "building here instead" not in log_of(engine, "h/201")
     assert " ext put\n$ put " in log_of(engine, "h/201") and "(put failed: " in log_of(engine, "h/201")
     assert fake.files.paths(None) == []  # the partial upload's staging directory was removed

@@ -1,6 +1,8 @@
 """The one path from the engine to a target: every command and every file goes through a TargetChannel, which
 logs it to the target's log (a `## <time> <step> <phase>` header, then what was sent and how it ended),
-redacts the target's secrets from all it writes, and refuses to start anything once the run is cancelled.
+redacts the target's secrets from all it writes, and once the run is cancelled refuses to start a command of
+the run or a file copy. A transfer's short helper commands (mktemp, pct push/pull, rm) still run then, so that
+what a transfer staged on a host is removed.
 
 A TargetChannel is itself a Transport, so connectors.transfer's SFTP + pct push/pull take this same path.
 """
@@ -174,7 +176,6 @@ class TargetChannel(Transport):
 
     def run(self, cmd: BuiltCommand, *, timeout: float | None, on_line: OnLine) -> RunResult:
         """A transfer's helper command (mktemp, pct push/pull, rm): logged under the step it serves."""
-        self._check_cancel()
         redact = self.redact
         self.log.write(f"\n## {now()} {self.step} transfer\n$ {redact(cmd.display)}\n")
 
@@ -182,8 +183,13 @@ class TargetChannel(Transport):
             self.log.write(redact(line) + "\n")
             on_line(line)
 
-        with purpose(self.target.id, self.step, "transfer"):
-            res = self.transport.run(cmd, timeout=timeout, on_line=logged)
+        try:
+            with purpose(self.target.id, self.step, "transfer"):
+                res = self.transport.run(cmd, timeout=timeout, on_line=logged)
+        except (UnreachableError, OSError, EOFError):
+            if self.cancellable and self.ctx.cancel.is_set():  # its channel was closed by Ctrl-C
+                raise Interrupted() from None
+            raise
         self.log.write(f"## exit {res.rc}{' (timed out)' if res.timed_out else ''} after {res.duration:.2f}s\n")
         return res
 
@@ -204,6 +210,8 @@ class TargetChannel(Transport):
             # Ended as a command's "## exit" line: cli's interruption summary takes the other `## ` lines as starts.
             self.log.write(f"## exit 1 after {time.monotonic() - start:.2f}s ({phase} failed: "
                            f"{self.redact(str(exc))})\n")
+            if isinstance(exc, Exception):
+                self._check_cancel()  # aborted by Ctrl-C: an interruption, not a failed copy
             raise
         self.log.write(f"## exit 0 after {time.monotonic() - start:.2f}s\n")
         # Ctrl-C aborts a transfer as it aborts a command (the connector's abort closes its channel).
