@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,34 @@ class RunResult:
     output: str
     duration: float
     timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class Purpose:
+    """What the engine sends a command (or a file) for, as the target's log names it: a step's check, apply,
+    verify... all carry the step's one label, so only this tells them apart. Connectors may read it (the fake
+    connector's scripted replies match on it); none needs to."""
+
+    target: str
+    step: str
+    phase: str
+
+
+_PURPOSE: ContextVar[Purpose | None] = ContextVar("fleetcuda_purpose", default=None)
+
+
+def current_purpose() -> Purpose | None:
+    """The purpose of the command this thread is sending now, if the engine said it."""
+    return _PURPOSE.get()
+
+
+@contextmanager
+def purpose(target: str, step: str, phase: str) -> Iterator[None]:
+    token = _PURPOSE.set(Purpose(target, step, phase))
+    try:
+        yield
+    finally:
+        _PURPOSE.reset(token)
 
 
 class Transport:

@@ -1,6 +1,9 @@
 """Files between this machine and a target: SFTP to or from the host over its one SSH connection (a plain
 copy for a local host), then `pct push` / `pct pull` between the host and a container. Nothing needs the
 internet, and the host keeps nothing: its staging directories are private (mktemp -d) and removed after use.
+
+The engine passes its target's run.channel.TargetChannel as `transport`: so every copy and every helper command
+here is logged to the target's log, redacted and cancelled by Ctrl-C like the run's own commands.
 """
 
 from __future__ import annotations

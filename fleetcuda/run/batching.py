@@ -1,0 +1,69 @@
+"""Read-only round trips: the target's facts (then its plan), and every check of its steps in one batch (with
+the apply lock taken in the same round trip)."""
+
+from __future__ import annotations
+
+from fleetcuda.connectors.base import RunResult
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.planner import (
+    Plan,
+    Secrets,
+    base_values,
+    batch_command,
+    facts_command,
+    make_plan,
+    parse_batch,
+    parse_facts,
+    pending_facts,
+)
+from fleetcuda.redact import Redactor
+from fleetcuda.run.channel import RunContext, TargetChannel
+from fleetcuda.run.diagnosis import maybe_unreachable
+from fleetcuda.run.locking import LockKeeper
+
+
+def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], channel: TargetChannel) -> Plan:
+    """The target's plan, its `auto` facts read from it first (one round trip)."""
+    values = base_values(ctx.recipe, target, overrides)
+    # Secrets known before facts are read; the plan's own list (facts included) replaces it.
+    ctx.redactors[target.id] = Redactor(Secrets(ctx.recipe, values).values)
+    names = pending_facts(ctx.recipe, values)
+    home = ctx.home(target)
+    if names:
+        cmd = facts_command(ctx.recipe, target, values, names, home, nonce=ctx.nonce, run_id=ctx.run_id)
+        res = channel.exec("facts", "read", cmd, timeout=120)
+        if res.rc != 0:
+            maybe_unreachable(res, target)
+        values = {**values, **parse_facts(res.output, names, ctx.nonce)}
+    plan = make_plan(ctx.recipe, target, values, home, run_id=ctx.run_id, nonce=ctx.nonce)
+    ctx.redactors[target.id] = Redactor(plan.secrets)
+    if names:
+        channel.write(ctx.redact(target, "# facts: " + ", ".join(f"{n}={values[n]}" for n in names)))
+    ctx.plans[target.id] = plan
+    return plan
+
+
+def batched_checks(ctx: RunContext, locks: LockKeeper, plan: Plan, channel: TargetChannel) -> dict[int, RunResult]:
+    """Each step's read-only check (verify's probe in verify mode) by step index, from one round trip; {} when
+    there are fewer than two to batch, or the batch gave no answer (then each step checks on its own)."""
+    verify = ctx.mode == "verify"
+    lock = locks.lock if ctx.mode == "apply" else None
+    probes = [(s.index, p) for s in plan.steps if not s.skipped
+              for p in [s.verify_probe if verify else s.pre_probe] if p is not None]
+    if len(probes) < 2:
+        if lock is not None:
+            locks.acquire(plan, channel)
+        return {}
+    cmd = batch_command(plan, probes, lock)
+    res = channel.exec("all-steps", "verify" if verify else "check", cmd, None)
+    if lock is not None:
+        if locks.took_over_dead_lock(plan, channel, res):
+            res = channel.exec("all-steps", "check", cmd, None)
+        locks.settle(plan, res)
+    parsed = parse_batch(res.output, plan.nonce)
+    if not parsed:
+        maybe_unreachable(res, plan.target)
+        return {}
+    for i, r in sorted(parsed.items()):  # the log has the framed stream; say each check's answer plainly
+        channel.write(f"# batched {plan.steps[i].name}: exit {r.rc} after {r.duration_ms} ms")
+    return {i: RunResult(r.rc, r.output, r.duration_ms / 1000) for i, r in parsed.items()}

@@ -1,0 +1,127 @@
+"""One target's steps in order: check -> (satisfied: ok) or apply -> verify -> changed; --check stops at
+would-change, verify mode only verifies (ok or drift). A failed step stops its target's later steps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from fleetcuda.connectors.base import RunResult
+from fleetcuda.plan.planner import Plan, PlannedStep
+from fleetcuda.results import StepResult, StepStatus, TargetResult, TargetStatus
+from fleetcuda.run.batching import batched_checks
+from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel
+from fleetcuda.run.diagnosis import failed, found, free_space, maybe_unreachable, tail, timed_out
+from fleetcuda.run.locking import LockKeeper
+from fleetcuda.run.retry import Sleep, apply_with_retries
+from fleetcuda.run.shared import SharedBuilds
+
+
+class StepFailed(Exception):
+    def __init__(self, result: StepResult):
+        super().__init__(result.detail)
+        self.result = result
+
+
+class Converger:
+    def __init__(self, ctx: RunContext, locks: LockKeeper, shared: SharedBuilds, sleep: Sleep):
+        self.ctx = ctx
+        self.locks = locks
+        self.shared = shared
+        self.sleep = sleep  # between an apply's retries
+
+    def steps(self, plan: Plan, result: TargetResult, channel: TargetChannel) -> None:
+        tid = plan.target.id
+        # Every read-only check of the target in one round trip; once a step has changed something,
+        # later checks run on their own again, since their answers may have changed too.
+        batch = batched_checks(self.ctx, self.locks, plan, channel)
+        for step in plan.steps:
+            if self.ctx.cancel.is_set():
+                raise Interrupted()
+            pre = batch.get(step.index)
+            if step.skipped:
+                sr = StepResult(step.name, StepStatus.SKIPPED, detail=step.skipped)
+            elif self.ctx.mode == "verify":
+                sr = self._verify_only(channel, step, pre)
+            else:
+                sr = self._converge(channel, step, pre)
+            sr = self._redacted(channel, sr, step.expect)
+            result.steps.append(sr)
+            self.ctx.reporter.step_finished(tid, sr)
+            if sr.status == StepStatus.FAILED:
+                raise StepFailed(sr)
+            if sr.status == StepStatus.CHANGED:
+                batch = {}
+
+    @staticmethod
+    def _redacted(channel: TargetChannel, sr: StepResult, expect: str) -> StepResult:
+        """Everything a result carries into reports and history, with the target's secrets masked."""
+        r = channel.ctx.redactor(channel.target)
+        return replace(sr, detail=r(sr.detail), tail=[r(t) for t in sr.tail], expected=r(expect), found=r(sr.found),
+                       would_run=r(sr.would_run) if sr.would_run is not None else None)
+
+    def _converge(self, channel: TargetChannel, step: PlannedStep, pre: RunResult | None) -> StepResult:
+        target = channel.target
+        start = time.monotonic()
+        if step.check is not None or (pre is not None and step.apply is None):
+            res = pre or channel.exec(step.name, "check", step.check, step.timeout)  # type: ignore[arg-type]
+            if res.rc == 0:
+                return StepResult(step.name, StepStatus.OK, time.monotonic() - start, "already satisfied")
+            maybe_unreachable(res, target)
+            if step.apply is None:
+                return failed(step, "check", res, start, "not satisfied, and the step has nothing to apply")
+        if step.apply is None:
+            assert step.verify is not None
+            res = channel.exec(step.name, "verify", step.verify, step.timeout)
+            maybe_unreachable(res, target)
+            if res.rc == 0:
+                return StepResult(step.name, StepStatus.OK, time.monotonic() - start, "verified")
+            return failed(step, "verify", res, start, "verification failed")
+        if self.ctx.mode == "check":
+            return StepResult(step.name, StepStatus.WOULD_CHANGE, time.monotonic() - start,
+                              "check not satisfied", tail(res.output),
+                              would_run=step.apply.display)
+        done = "applied and verified"
+        if step.shared is not None:
+            res, done = self.shared.apply(channel, step)
+        else:
+            res = apply_with_retries(channel, step, self.sleep)
+        if res.rc != 0:
+            maybe_unreachable(res, target)
+            why = f"timed out after {step.timeout}s" if timed_out(res) else f"exit {res.rc}"
+            result = failed(step, "apply", res, start, f"apply failed ({why})")
+            if "No space left on device" in res.output:
+                result.detail += "; " + free_space(channel, res.output)
+            return result
+        after = step.verify or step.check
+        assert after is not None
+        res = channel.exec(step.name, "verify", after, step.timeout)
+        if res.rc != 0:
+            maybe_unreachable(res, target)
+            return failed(step, "verify", res, start, "apply ran, but the verification failed")
+        return StepResult(step.name, StepStatus.CHANGED, time.monotonic() - start, done)
+
+    @staticmethod
+    def _verify_only(channel: TargetChannel, step: PlannedStep, pre: RunResult | None) -> StepResult:
+        start = time.monotonic()
+        cmd = step.verify or step.check
+        assert cmd is not None
+        res = pre or channel.exec(step.name, "verify", cmd, step.timeout)
+        took = res.duration if pre else time.monotonic() - start
+        if res.rc == 0:
+            return StepResult(step.name, StepStatus.OK, took, "verified", found=found(res.output))
+        maybe_unreachable(res, channel.target)
+        if timed_out(res):  # it could not answer in time: not an answer, so not drift
+            return StepResult(step.name, StepStatus.FAILED, took, f"verification timed out after {step.timeout}s",
+                              tail(res.output), found=found(res.output))
+        return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", tail(res.output),
+                          found=found(res.output))
+
+
+def overall(steps: list[StepResult]) -> TargetStatus:
+    """A target's status from its steps': the worst of failed, drift, would-change, changed; else ok."""
+    statuses = {s.status for s in steps}
+    for status in (StepStatus.FAILED, StepStatus.DRIFT, StepStatus.WOULD_CHANGE, StepStatus.CHANGED):
+        if status in statuses:
+            return TargetStatus(status.value)
+    return TargetStatus.OK

@@ -1,0 +1,74 @@
+"""Why a step failed, said plainly: an unreachable target or a refused sudo, a full disk (which filesystem, how
+much is free), the last lines of the output; and whether a command ran out of time."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from fleetcuda.connectors.base import RunResult
+from fleetcuda.errors import FleetcudaError, UnreachableError
+from fleetcuda.plan.command import Invocation, build, quote
+from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.planner import SYSTEM_PATH, PlannedStep
+from fleetcuda.results import StepResult, StepStatus
+from fleetcuda.run.channel import TargetChannel
+
+TAIL_LINES = 20
+# Exit codes of a check that mean "could not look", not "not satisfied": command not found by
+# pct/sudo/ssh, or killed.
+UNREACHABLE_RC = {255}
+
+FULL_FILESYSTEMS = ('NR > 1 && $2 > 0 && $5 + 0 >= 98 '
+                    '{ printf "%s: %d MiB free of %d MiB\\n", $6, $4 / 1024, $2 / 1024 }')
+
+
+def timed_out(res: RunResult) -> bool:
+    """The command ran out of time: the control side gave up, or `timeout` on the target stopped it
+    (124 after TERM; 128+9 when it had to KILL)."""
+    return res.timed_out or res.rc in (124, 137)
+
+
+def maybe_unreachable(res: RunResult, target: Target) -> None:
+    """pct's own errors (stopped container, unknown vmid, sudo wanting a password) end the target."""
+    if target.container is not None and target.spec.sudo and res.output.startswith("sudo: "):
+        first = res.output.splitlines()[0]
+        raise UnreachableError(f"{target.id}: `sudo -n` refused ({first}); give {target.spec.user} "
+                               f"passwordless sudo for {target.spec.pct} (fleetcuda never sends passwords)")
+    if res.rc in UNREACHABLE_RC:
+        tail_lines = [ln for ln in res.output.splitlines() if ln.strip()][-3:]
+        raise UnreachableError(f"{target.id}: " + (" / ".join(tail_lines) or f"exit {res.rc}"))
+
+
+def free_space(channel: TargetChannel, output: str) -> str:
+    """A full disk, said plainly: which filesystem, how much is free, on which target."""
+    target = channel.target
+    paths = {"/tmp"} | {m.rstrip(".,;:") for line in output.splitlines() if "No space left" in line
+                        for m in re.findall(r"(/[\w./+@-]+)", line)}
+    report = 'NR == 2 { printf "%s on %s: %d MiB free of %d MiB\\n", p, $6, $4 / 1024, $2 / 1024 }'
+    script = ("for p in " + " ".join(quote(p) for p in sorted(paths)) + "; do\n"
+              '  while [ ! -e "$p" ]; do p=$(dirname "$p"); done\n'
+              f'  df -Pk "$p" | awk -v p="$p" {quote(report)}\n'
+              "done\n"
+              # Tools often do not say which file they were writing: name every filesystem that is full.
+              f"df -Pk 2>/dev/null | awk {quote(FULL_FILESYSTEMS)}")
+    cmd = build(target.chain, Invocation(script, {"PATH": SYSTEM_PATH}, timeout=60, label="fleetcuda:df"))
+    try:
+        res = channel.exec("disk", "free-space", cmd, 60)
+    except (FleetcudaError, OSError):
+        return f"disk full on {target.id}"
+    lines = sorted(set(res.output.strip().splitlines()))
+    return f"disk full on {target.id}: " + "; ".join(lines)
+
+
+def failed(step: PlannedStep, phase: str, res: RunResult, start: float, why: str) -> StepResult:
+    return StepResult(step.name, StepStatus.FAILED, time.monotonic() - start, f"{phase}: {why}", tail(res.output))
+
+
+def found(output: str) -> str:
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def tail(output: str) -> list[str]:
+    return output.rstrip("\n").splitlines()[-TAIL_LINES:]

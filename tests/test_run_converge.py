@@ -1,0 +1,104 @@
+"""check -> apply -> verify, in-process on the fake connector: what each step ends as, and what was sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fleetcuda.connectors.fake import exit_with, ok
+from fleetcuda.results import ExitStatus, StepStatus, TargetStatus, exit_code
+from tests.run_support import log_of, make_engine
+
+TWO_STEPS = ("  - name: a\n    check: test -e /etc/a\n    apply: touch /etc/a\n    verify: test -s /etc/a\n"
+             "  - name: b\n    check: test -e /etc/b\n    apply: touch /etc/b\n")
+
+
+def test_a_satisfied_check_is_ok_and_nothing_is_applied(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, TWO_STEPS)
+    [result] = engine.run()
+    assert result.status == TargetStatus.OK
+    assert [(s.name, s.status, s.detail) for s in result.steps] == [
+        ("a", StepStatus.OK, "already satisfied"), ("b", StepStatus.OK, "already satisfied")]
+    # Both checks went in one round trip, and nothing else was sent.
+    assert [(c.step, c.phase, c.batched) for c in fake.calls] == [
+        ("all-steps", "check", False), ("a", "check", True), ("b", "check", True)]
+    assert "'test -e /etc/a' fleetcuda:a@" in fake.calls_for(step="a")[0].script
+    assert exit_code([result]) == ExitStatus.OK
+
+
+def test_a_failing_check_is_applied_then_verified_and_changed(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, TWO_STEPS)
+    fake.on(step="a", phase="check", reply=exit_with(1, "no /etc/a"))
+    [result] = engine.run()
+    assert [(s.name, s.status) for s in result.steps] == [("a", StepStatus.CHANGED), ("b", StepStatus.OK)]
+    assert result.steps[0].detail == "applied and verified"
+    assert [c.phase for c in fake.calls_for(step="a")] == ["check", "apply", "verify"]
+    # After a change, later checks are asked again on their own: their answers may have changed.
+    assert [(c.phase, c.batched) for c in fake.calls_for(step="b")] == [("check", True), ("check", False)]
+    assert result.status == TargetStatus.CHANGED and exit_code([result]) == ExitStatus.OK
+    log = log_of(engine, "h")
+    assert " a apply\n$ " in log and "## exit 0 after" in log
+
+
+def test_a_failing_verify_fails_the_step_and_later_steps_do_not_run(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, TWO_STEPS)
+    fake.on(step="a", phase="check", reply=exit_with(1))
+    fake.on(step="b", phase="check", reply=exit_with(1))
+    fake.on(step="a", phase="verify", reply=exit_with(1, "size 0\n/etc/a is empty"))
+    [result] = engine.run()
+    assert result.status == TargetStatus.FAILED
+    [a] = result.steps  # b has no result: it never ran
+    assert a.status == StepStatus.FAILED and a.detail == "verify: apply ran, but the verification failed"
+    assert a.tail == ["size 0", "/etc/a is empty"]
+    assert [c.phase for c in fake.calls_for(step="b")] == ["check"]  # only its batched check
+    assert exit_code([result]) == ExitStatus.FAILED
+
+
+def test_check_mode_says_would_change_and_applies_nothing(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, TWO_STEPS, mode="check")
+    fake.on(step="b", phase="check", reply=exit_with(1, "no /etc/b"))
+    [result] = engine.run()
+    assert [s.status for s in result.steps] == [StepStatus.OK, StepStatus.WOULD_CHANGE]
+    b = result.steps[1]
+    assert b.detail == "check not satisfied" and b.tail == ["no /etc/b"]
+    assert b.would_run is not None and "touch /etc/b" in b.would_run
+    assert fake.calls_for(phase="apply") == []
+    assert result.status == TargetStatus.WOULD_CHANGE
+
+
+def test_verify_mode_reports_drift_with_what_was_found(tmp_path: Path) -> None:
+    steps = ("  - name: driver\n    verify: nvidia-smi\n  - name: cuda\n    check: nvcc --version\n"
+             "    apply: install-cuda\n")
+    engine, fake = make_engine(tmp_path, steps, mode="verify")
+    fake.on(step="driver", reply=ok("NVIDIA-SMI 570.86"))
+    fake.on(step="cuda", reply=exit_with(1, "looking\nnvcc: release 12.4, expected 12.8"))
+    [result] = engine.run()
+    driver, cuda = result.steps
+    assert (driver.status, driver.found) == (StepStatus.OK, "NVIDIA-SMI 570.86")
+    assert (cuda.status, cuda.detail) == (StepStatus.DRIFT, "verification failed")
+    assert cuda.found == "nvcc: release 12.4, expected 12.8"
+    assert {c.phase for c in fake.calls if c.batched} == {"verify"}
+    assert fake.calls_for(phase="apply") == []
+    assert result.status == TargetStatus.DRIFT and exit_code([result]) == ExitStatus.FAILED
+
+
+def test_a_single_step_is_checked_on_its_own(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, "  - name: a\n    check: test -e /x\n    apply: touch /x\n")
+    fake.on(step="a", phase="check", reply=exit_with(1), times=1)
+    [result] = engine.run()
+    assert result.steps[0].status == StepStatus.CHANGED
+    assert [(c.step, c.phase, c.batched) for c in fake.calls] == [
+        ("a", "check", False), ("a", "apply", False), ("a", "verify", False)]  # no check: verify is the check
+
+
+def test_a_secret_the_target_prints_is_masked_in_results_and_logs(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, "  - name: login\n    check: 'false'\n    apply: login \"$HF_TOKEN\"\n"
+                                         "    env:\n      HF_TOKEN: '{{ hf_token }}'\n",
+                               recipe_vars="vars:\n  hf_token: hf_abcdefghijkl\n")
+    fake.on(step="login", phase="check", reply=exit_with(1))
+    fake.on(step="login", phase="apply", reply=exit_with(2, "token hf_abcdefghijkl rejected"))
+    [result] = engine.run()
+    [login] = result.steps
+    assert login.status == StepStatus.FAILED and login.detail == "apply: apply failed (exit 2)"
+    assert login.tail == ["token *** rejected"]
+    log = log_of(engine, "h")
+    assert "token *** rejected" in log and "hf_abcdefghijkl" not in log
