@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetcuda.connectors.base import TransportPool
-from fleetcuda.connectors.fake import FakeTransport, exit_with, ok
+from fleetcuda.connectors.fake import FakeTransport, exit_with, framed, ok
 from fleetcuda.plan.inventory import load_inventory
 from fleetcuda.plan.recipe import load_recipe
 from fleetcuda.reports.live import Reporter
 from fleetcuda.results import StepResult, TargetResult
-from fleetcuda.run import fingerprint
 from fleetcuda.run.engine import Engine
 from fleetcuda.run.locks import TargetLock, run_owner
 from fleetcuda.run.wheelcache import WheelCache
@@ -84,5 +82,5 @@ def fake_fleet() -> FakeTransport:
     """Two containers of one fingerprint whose extension is not installed yet; a build leaves a wheel."""
     fake = FakeTransport()
     fake.on(step="ext", phase="check", reply=exit_with(1, "No module named 'causal_conv1d'"))
-    fake.on(step="ext", phase="fingerprint", reply=ok(f"{fingerprint.FINGERPRINT_MARK} {json.dumps(FP)}"))
+    fake.on(step="ext", phase="fingerprint", reply=lambda call: ok(framed(call, "fingerprint", FP)))
     return fake

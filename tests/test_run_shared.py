@@ -5,14 +5,13 @@ ends the waiter too (it builds for itself), never leaves it waiting."""
 from __future__ import annotations
 
 import hashlib
-import json
 import shlex
 import threading
 import time
 from pathlib import Path
 
 from fleetcuda.connectors.base import RunResult
-from fleetcuda.connectors.fake import Call, FakeTransport, exit_with, ok
+from fleetcuda.connectors.fake import Call, FakeTransport, exit_with, framed, ok
 from fleetcuda.results import StepStatus, TargetStatus
 from fleetcuda.run import fingerprint
 from fleetcuda.run.engine import Engine
@@ -28,8 +27,8 @@ def build_leaves_a_wheel(fake: FakeTransport, entered: threading.Event, held: th
         path = f"/tmp/fleetcuda-wheel.Ab12Cd/{WHEEL}"
         fake.files.write(call.place, path, WHEEL_BYTES)
         sha = hashlib.sha256(WHEEL_BYTES).hexdigest()
-        return ok(f"fleetcuda: building causal_conv1d-1.7.0.tar.gz\n{fingerprint.FINGERPRINT_MARK} {json.dumps(FP)}\n"
-                  f"{fingerprint.WHEEL_MARK} {path} {sha}\n")
+        return ok("fleetcuda: building causal_conv1d-1.7.0.tar.gz\n" + framed(call, "fingerprint", FP)
+                  + framed(call, "wheel", path, sha))
 
     fake.on(step="ext", phase="apply", reply=build)
 

@@ -26,6 +26,7 @@ fleetcuda's own protocol, which the fake speaks by itself:
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import shlex
 import threading
@@ -39,6 +40,14 @@ from fleetcuda.plan.command import BuiltCommand
 from fleetcuda.remote import framing
 
 Place = int | None  # a container's vmid, or None for the host itself
+
+
+def framed(call: Call, kind: str, *fields: str) -> str:
+    """A frame as fleetcuda's target-side programs print it (fleetcuda.remote.emit), with the nonce this call
+    was sent on stdin; a dict field is written as emit_json writes it."""
+    assert call.cmd is not None, "only a command sent with its stdin carries a nonce"
+    words = [json.dumps(f, sort_keys=True, separators=(",", ":")) if isinstance(f, dict) else f for f in fields]
+    return f"\n{framing.MARK}:{call.cmd.stdin.split(chr(0))[0]} {' '.join([kind, *words])}\n"
 
 
 def ok(output: str = "") -> RunResult:
@@ -183,16 +192,11 @@ class FakeLocks:
             return word, []
 
 
-_LOCK_NAME = re.compile(r"fleetcuda-apply(?:-\d+)?")
-_OWNED_BY = re.compile(r"""\[ "\$\(cat "\$lockdir/owner" 2>/dev/null\)" = ('(?:[^']|'"'"')*'|\S+) \]""")
-_NEW_OWNER = re.compile(r"""printf "%s\\n" ('(?:[^']|'"'"')*'|\S+) > "\$lockdir/owner\"""")
-_LOCK_WORDS = {"held": "acquire", "released": "release", "refreshed": "refresh", "taken-over": "take-over"}
+# run.locks' scripts: remote/lock.sh's functions, then one call of them per action, `fleetcuda_lock_<action>
+# NAME OWNER ...` on a line of its own (quoted as command.quote quotes).
+_LOCK_CALL = re.compile(r"^fleetcuda_lock_(acquire|release|refresh|take_over) (.*)$", re.M)
 _BATCH_PROBE = re.compile(r'begin (\d+)"; t=\$\(now\)\n(.*?)\n[^\n]* end \1 \$rc ', re.S)
 _PROBE_LABEL = re.compile(r"(fleetcuda:[^\s']+)'? (?:</dev/null|< <\(printf)")
-
-
-def _word(quoted: str) -> str:
-    return shlex.split(quoted)[0]
 
 
 def _where(place: Place) -> str:
@@ -343,15 +347,11 @@ class FakeTransport(Transport):
 
     def _lock_frames(self, script: str, mark: str) -> tuple[str, bool]:
         """The lock frames a script of run.locks prints, and whether it ended there (busy: exit 75)."""
-        name_m = _LOCK_NAME.search(script)
-        if name_m is None:
-            return "", False
         out = ""
-        for word, action in _LOCK_WORDS.items():
-            owner_m = (_NEW_OWNER if action == "acquire" else _OWNED_BY).search(script)
-            if f" lock {word}\"" not in script or owner_m is None:
-                continue
-            said, fields = self.locks.act(action, name_m[0], _word(owner_m[1]))
+        for call in _LOCK_CALL.finditer(script):
+            action = call[1].replace("_", "-")
+            name, owner = shlex.split(call[2])[:2]
+            said, fields = self.locks.act(action, name, owner)
             if said:
                 out += f"\n{mark} lock {' '.join([said, *fields])}\n"
             if said == "busy":
