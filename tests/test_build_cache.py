@@ -205,16 +205,18 @@ def test_waiters_build_for_themselves_when_the_build_gives_no_wheel(tmp_path: Pa
 
 
 def test_the_install_of_a_cached_wheel_runs_as_its_own_step() -> None:
-    """The install command is made at run time: it must carry its own step's label, timeout and environment."""
+    """The install command is planned whole, but for the run-time values it reads from shell variables: it must
+    carry its own step's label, timeout and environment, and the wheel it is given."""
     from fleetcuda.plan.inventory import load_inventory
-    from fleetcuda.plan.planner import base_values, make_plan
+    from fleetcuda.plan.planner import base_values, install_command, make_plan
     from fleetcuda.plan.recipe import load_recipe
 
     recipe = load_recipe("recipes/gdn-fastpath.yaml")
     [target] = load_inventory("inventories/lab.yaml").select("lab-a/200")
     plan = make_plan(recipe, target, base_values(recipe, target, {}))
     [step] = [s for s in plan.steps if s.shared is not None]
-    install = step.shared.install("/tmp/fleetcuda-wheel.abcdef/x.whl", "a" * 64, json.dumps(FP), "{}")
+    install = install_command(target, step, "/tmp/fleetcuda-wheel.abcdef/x.whl", "a" * 64, json.dumps(FP), "{}")
+    assert "fc_wheel=/tmp/fleetcuda-wheel.abcdef/x.whl" in install.display and "a" * 64 in install.display
     assert step.name == "causal-conv1d" and install.label == step.apply.label == "fleetcuda:causal-conv1d"
     assert "timeout -k 10 7200" in install.display and "MAX_JOBS=2" in install.display
     assert "CAUSAL_CONV1D_FORCE_BUILD=TRUE" in install.display and "CUDA_HOME=/usr/local/cuda-12.8" in install.display

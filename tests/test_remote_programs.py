@@ -20,7 +20,7 @@ import pytest
 from fleetcuda import remote
 from fleetcuda.plan.command import STOP_SCRIPT, stop_invocation
 from fleetcuda.plan.inventory import load_inventory
-from fleetcuda.plan.planner import base_values, batch_command, make_plan
+from fleetcuda.plan.planner import base_values, batch_command, install_command, make_plan
 from fleetcuda.plan.recipe import load_recipe
 from fleetcuda.remote import framing
 from fleetcuda.run import fingerprint
@@ -119,7 +119,8 @@ def _scripts(plan) -> list[str]:  # type: ignore[no-untyped-def]
                 out.append(cmd.argv[-2])
         if step.shared is not None:
             out += [step.shared.fingerprint.argv[-2], step.shared.build.argv[-2],
-                    step.shared.install("/tmp/fleetcuda-wheel.abcdef/x.whl", "a" * 64, "{}", "{}").argv[-2]]
+                    install_command(plan.target, step, "/tmp/fleetcuda-wheel.abcdef/x.whl", "a" * 64, "{}",
+                                    "{}").argv[-2]]
     return out
 
 

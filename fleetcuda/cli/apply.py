@@ -36,9 +36,9 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
                        args.format or "human", args.lock_wait)
     if args.format is not None:
         raise InputError("--format", None, args.format, "only goes with --dry-run")
-    common.plan_all(inputs)
+    planned = common.plan_all(inputs, env)
     common.check_state(env)  # before anything runs: no run directory, history or report could be made
-    return common.execute(inputs, "check" if args.check else "apply", args, [], env)
+    return common.execute(inputs, "check" if args.check else "apply", args, [], env, planned)
 
 
 def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str],

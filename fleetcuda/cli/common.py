@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from fleetcuda.connectors.base import Transport
     from fleetcuda.plan.inventory import Inventory, Target
+    from fleetcuda.plan.planner import RunPlan
     from fleetcuda.plan.recipe import Recipe
     from fleetcuda.reports.formats import RunInfo
     from fleetcuda.results import TargetResult
@@ -83,12 +84,16 @@ def load_run_inputs(args: argparse.Namespace) -> RunInputs:
     return RunInputs(recipe, inventory, targets, parse_var_overrides(args.var))
 
 
-def plan_all(inputs: RunInputs) -> None:
-    """Plan every target now, so a recipe that cannot be rendered is bad input before anything runs."""
-    from fleetcuda.plan.planner import base_values, make_plan
+def plan_all(inputs: RunInputs, env: Environment) -> RunPlan:
+    """Plan every target now, once: a recipe that cannot be rendered is bad input before anything runs, and the
+    engine runs these plans (a target with `auto` facts is planned again once they are read)."""
+    import secrets
 
-    for t in inputs.targets:
-        make_plan(inputs.recipe, t, base_values(inputs.recipe, t, inputs.overrides))
+    from fleetcuda.plan.planner import plan_run
+    from fleetcuda.remote.framing import new_nonce
+
+    return plan_run(inputs.recipe, inputs.targets, inputs.overrides, local_home(env), secrets.token_hex(4),
+                    new_nonce())
 
 
 def check_state(env: Environment) -> Path:
@@ -129,7 +134,7 @@ def transport_factory(inventory: Inventory) -> Callable[[str], Transport]:
 
 
 def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: list[tuple[str, str | None]],
-            env: Environment) -> ExitStatus:
+            env: Environment, planned: RunPlan | None = None) -> ExitStatus:
     """Run the engine over the targets (mode apply, check or verify), then report and record the run."""
     import signal
 
@@ -151,7 +156,7 @@ def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: lis
     pool = TransportPool(transport_factory(inputs.inventory))
     lock = TargetLock(run_owner(), wait_s=getattr(args, "lock_wait", 0)) if mode == "apply" else None
     engine = Engine(recipe, targets, inputs.overrides, mode, pool, reporter, run_dir,  # type: ignore[arg-type]
-                    forks=args.forks, home=local_home(env), lock=lock)
+                    forks=args.forks, home=local_home(env), lock=lock, planned=planned)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

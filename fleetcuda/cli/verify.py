@@ -24,10 +24,10 @@ def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
 
 def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
     inputs = common.load_run_inputs(args)
-    common.plan_all(inputs)
+    planned = common.plan_all(inputs, env)
     common.check_state(env)  # before anything runs: no run directory, history or report could be made
     reports = report_targets(args, env)
-    return common.execute(inputs, "verify", args, reports, env)
+    return common.execute(inputs, "verify", args, reports, env, planned)
 
 
 def report_targets(args: argparse.Namespace, env: Environment) -> list[tuple[str, str | None]]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from fleetcuda.plan.command import (
     BuiltCommand,
@@ -26,6 +27,7 @@ from fleetcuda.redact import MIN_SECRET, SECRET_NAME
 from fleetcuda.remote import framing
 from fleetcuda.run.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.steps import Scripts, StepContext, StepSpec
+from fleetcuda.steps.base import INSTALL_VARS
 
 __all__ = ["LOCK_STALE_S", "TargetLock"]
 
@@ -33,18 +35,19 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FALSY = {"", "0", "false", "no", "off", "none"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class SharedPlan:
-    """A step whose wheel is built once per ABI fingerprint (see steps.base.SharedBuild), as exact commands."""
+    """A step whose wheel is built once per ABI fingerprint (see steps.base.SharedBuild), as exact commands.
+    `install` is complete but for the run-time values INSTALL_VARS names (see install_command)."""
 
     package: str
     version: str
     fingerprint: BuiltCommand
     build: BuiltCommand
-    install: Callable[[str, str, str, str], BuiltCommand]  # (wheel path, sha256, fingerprint json, provenance)
+    install: Invocation
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedStep:
     index: int
     name: str
@@ -64,16 +67,29 @@ class PlannedStep:
     shared: SharedPlan | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """A target's whole plan, as data: made once (and once more when `auto` facts have been read), then only
+    read: by apply, --check, verify, the dry-run views and the export."""
+
     target: Target
-    values: dict[str, str]
-    steps: list[PlannedStep] = field(default_factory=list)
-    unresolved: list[str] = field(default_factory=list)  # `auto` vars not yet read from the target
+    values: Mapping[str, str]
+    steps: tuple[PlannedStep, ...] = ()
+    unresolved: tuple[str, ...] = ()  # `auto` vars not yet read from the target
     home: str = "/root"
     secrets: tuple[str, ...] = ()  # values never printed nor put on a command line
     run_id: str = ""  # in every label: what Ctrl-C stops is this run's, never another's
     nonce: str = ""  # in every frame fleetcuda's own shell prints (see framing)
+
+
+def install_command(target: Target, step: PlannedStep, wheel: str, sha256: str, fingerprint_json: str,
+                    provenance_json: str) -> BuiltCommand:
+    """A shared build's install of a cached wheel, for this run's wheel: its planned script, given the
+    run-time values in the shell variables it reads (public: paths, digests, versions)."""
+    assert step.shared is not None
+    inv = step.shared.install
+    values = dict(zip(INSTALL_VARS, (wheel, sha256, fingerprint_json, provenance_json), strict=True))
+    return build(target.chain, replace(inv, shell_vars={**inv.shell_vars, **values}))
 
 
 def base_values(recipe: Recipe, target: Target, overrides: dict[str, str]) -> dict[str, str]:
@@ -188,8 +204,7 @@ def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:
 
 def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None, *,
               run_id: str = "", nonce: str | None = None) -> Plan:
-    plan = Plan(target, values, unresolved=pending_facts(recipe, values), home=home or home_of(target),
-                run_id=run_id, nonce=nonce or framing.new_nonce())
+    nonce = nonce or framing.new_nonce()
     secrets = Secrets(recipe, values)
     recipe_env = {k: _render(recipe, ("env", k), v, values) for k, v in recipe.env.items()}
     for k, v in recipe_env.items():
@@ -197,12 +212,13 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
     env = {**base_env(target, home), **recipe_env}
     exports: dict[str, str] = {}
     prepend: list[str] = []
+    steps: list[PlannedStep] = []
     for i, step in enumerate(recipe.steps):
         skip = _skip_reason(recipe, i, step.when, values)
         planned = PlannedStep(i, step.name, step.kind, skip, timeout=step.timeout,
                               retries=step.retries, retry_delay=step.retry_delay)
-        plan.steps.append(planned)
         if skip:
+            steps.append(planned)
             continue
         ctx = StepContext(values, target.python, recipe.name)
         try:
@@ -226,11 +242,10 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
             full_env["PATH"] = ":".join(prepend) + ":" + full_env["PATH"]
         label = step_label(step.name, run_id)
 
-        # The step and its environment are bound now: a shared build's install command is made at run time.
         def inv(script: str, step: StepSpec = step, env: dict[str, str] = full_env, ctx: StepContext = ctx,
                 label: str = label) -> Invocation:
             made = invocation(script, env, ctx.shell_vars, ctx.sources, secrets, timeout=step.timeout, label=label)
-            return framing.with_nonce(made, plan.nonce)  # a step script that prints frames (a shared build's)
+            return framing.with_nonce(made, nonce)  # a step script that prints frames (a shared build's)
 
         def cmd(script: str | None, inv: Callable[[str], Invocation] = inv) -> BuiltCommand | None:
             return build(target.chain, inv(script)) if script is not None else None
@@ -238,19 +253,37 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         apply = scripts.apply
         if apply is not None and step.kind == "shell":
             apply = "set -e -o pipefail\n" + apply
-        planned.check, planned.apply, planned.verify = cmd(scripts.check), cmd(apply), cmd(scripts.verify)
-        planned.expect = scripts.expect or step.description or "exit 0"
+        shared = None
         if scripts.shared is not None:
             sb = scripts.shared
-            planned.shared = SharedPlan(
-                sb.package, sb.version, cmd(sb.fingerprint), cmd(sb.build),  # type: ignore[arg-type]
-                lambda path, sha, fp, prov, sb=sb, cmd=cmd: cmd(sb.install(path, sha, fp, prov)))  # type: ignore[misc]
+            shared = SharedPlan(sb.package, sb.version, cmd(sb.fingerprint), cmd(sb.build),  # type: ignore[arg-type]
+                                inv(sb.install))
         pre = scripts.check if scripts.check is not None else (scripts.verify if apply is None else None)
         post = scripts.verify if scripts.verify is not None else scripts.check
-        planned.pre_probe = inv(pre) if pre is not None else None
-        planned.verify_probe = inv(post) if post is not None else None
-    plan.secrets = tuple(sorted(secrets.values, key=len, reverse=True))
-    return plan
+        steps.append(replace(
+            planned, check=cmd(scripts.check), apply=cmd(apply), verify=cmd(scripts.verify),
+            expect=scripts.expect or step.description or "exit 0", shared=shared,
+            pre_probe=inv(pre) if pre is not None else None, verify_probe=inv(post) if post is not None else None))
+    return Plan(target, MappingProxyType(dict(values)), tuple(steps), unresolved=tuple(pending_facts(recipe, values)),
+                home=home or home_of(target), secrets=tuple(sorted(secrets.values, key=len, reverse=True)),
+                run_id=run_id, nonce=nonce)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every target's plan for one run, made before anything runs (bad input is found here), with the run's id
+    and nonce. A target with `auto` facts is planned once more, by the engine, after reading them."""
+
+    run_id: str
+    nonce: str
+    plans: Mapping[str, Plan]  # by target id
+
+
+def plan_run(recipe: Recipe, targets: list[Target], overrides: dict[str, str],
+             home: Callable[[Target], str | None], run_id: str, nonce: str) -> RunPlan:
+    plans = {t.id: make_plan(recipe, t, base_values(recipe, t, overrides), home(t), run_id=run_id, nonce=nonce)
+             for t in targets}
+    return RunPlan(run_id, nonce, MappingProxyType(plans))
 
 
 def lock_command(plan: Plan, script: str) -> BuiltCommand:

@@ -95,6 +95,7 @@ from fleetcuda.plan.planner import (
     base_values,
     batch_command,
     facts_command,
+    install_command,
     lock_command,
     make_plan,
     pending_facts,
@@ -354,7 +355,7 @@ def _cached_install(target: Target, step: PlannedStep) -> list[Send]:
                           host_command(target, pct_argv(target, "push", str(target.container.vmid), host_path, ct_path,
                                                         "--perms", "0600")), step=step, runs_on="host",
                           moves=(host_path, ct_path)))
-    install = step.shared.install(ct_path, "<sha256>", "<fingerprint json>", "<provenance json>")
+    install = install_command(target, step, ct_path, "<sha256>", "<fingerprint json>", "<provenance json>")
     sends.append(Send("step", "install", f"{cached}: checks the wheel's sha256 and fingerprint, installs and records "
                       "it (on failure: the apply below builds here)", install, step=step))
     return sends

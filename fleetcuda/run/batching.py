@@ -35,7 +35,11 @@ def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], chan
         if res.rc != 0:
             maybe_unreachable(res, target)
         values = {**values, **parse_facts(res.output, names, ctx.nonce)}
-    plan = make_plan(ctx.recipe, target, values, home, run_id=ctx.run_id, nonce=ctx.nonce)
+    prepared = ctx.prepared.get(target.id)
+    if not names and prepared is not None:
+        plan = prepared  # planned once, before the run: nothing read from the target changes it
+    else:
+        plan = make_plan(ctx.recipe, target, values, home, run_id=ctx.run_id, nonce=ctx.nonce)
     ctx.redactors[target.id] = Redactor(plan.secrets)
     if names:
         channel.write(ctx.redact(target, "# facts: " + ", ".join(f"{n}={values[n]}" for n in names)))

@@ -65,6 +65,7 @@ class RunContext:
     redactors: dict[str, Redactor] = field(default_factory=dict)
     running: dict[str, str] = field(default_factory=dict)  # target id -> label of the command running there now
     plans: dict[str, Plan] = field(default_factory=dict)
+    prepared: dict[str, Plan] = field(default_factory=dict)  # made before the run, for targets with no facts to read
 
     def redactor(self, target: Target) -> Redactor:
         return self.redactors.get(target.id, NO_SECRETS)

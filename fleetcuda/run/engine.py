@@ -25,6 +25,7 @@ from typing import Literal
 from fleetcuda.connectors.base import TransportPool
 from fleetcuda.errors import InputError
 from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.planner import RunPlan
 from fleetcuda.plan.recipe import Recipe
 from fleetcuda.remote import framing
 from fleetcuda.reports.live import Reporter
@@ -74,21 +75,25 @@ def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
 
 
 class Engine:
-    """`lock_refresh_s`: how often held locks are refreshed (default FLEETCUDA_LOCK_REFRESH_S, else
+    """`planned`: the run's plans, made by the caller (else each target is planned when it starts);
+    `lock_refresh_s`: how often held locks are refreshed (default FLEETCUDA_LOCK_REFRESH_S, else
     LOCK_REFRESH_S); `sleep`: what waits between an apply's retries (time.sleep; tests pass one that records)."""
 
     def __init__(self, recipe: Recipe, targets: list[Target], overrides: dict[str, str], mode: Mode,
                  pool: TransportPool, reporter: Reporter, run_dir: Path, forks: int = 8,
                  home: Callable[[Target], str | None] = lambda t: None, lock: TargetLock | None = None,
                  cache: WheelCache | None = None, *, lock_refresh_s: float | None = None,
-                 sleep: Sleep = time.sleep):
+                 sleep: Sleep = time.sleep, planned: RunPlan | None = None):
         self.recipe = recipe
         self.targets = targets
         self.mode = mode
         self.run_dir = run_dir
-        # In every label and frame of this run: its commands are told apart from any other run's.
-        self.ctx = RunContext(recipe, mode, pool, reporter, run_dir, run_id=secrets.token_hex(4),
-                              nonce=framing.new_nonce(), home=home)
+        # In every label and frame of this run: its commands are told apart from any other run's. `planned`: the
+        # plans the CLI made before the run (with this run's id and nonce), run as they are.
+        self.ctx = RunContext(recipe, mode, pool, reporter, run_dir,
+                              run_id=planned.run_id if planned else secrets.token_hex(4),
+                              nonce=planned.nonce if planned else framing.new_nonce(), home=home,
+                              prepared=dict(planned.plans) if planned else {})
         if lock_refresh_s is None:
             lock_refresh_s = float(os.environ.get("FLEETCUDA_LOCK_REFRESH_S") or LOCK_REFRESH_S)
         self.locks = LockKeeper(self.ctx, lock if mode == "apply" else None, lock_refresh_s)

@@ -16,7 +16,7 @@ from fleetcuda.connectors.base import RunResult
 from fleetcuda.errors import FleetcudaError
 from fleetcuda.plan.command import quote
 from fleetcuda.plan.inventory import Target
-from fleetcuda.plan.planner import PlannedStep
+from fleetcuda.plan.planner import PlannedStep, install_command
 from fleetcuda.run import fingerprint
 from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel, now, private_file
 from fleetcuda.run.diagnosis import maybe_unreachable
@@ -169,7 +169,8 @@ class SharedBuilds:
                       f"{entry.provenance.get('built_at')}) copied to {ct_path} in {time.monotonic() - start:.1f}s")
         provenance = {"source": "control machine cache", "wheel_sha256": entry.sha256, "key": entry.key,
                       "built_on": entry.provenance.get("built_on"), "built_at": entry.provenance.get("built_at")}
-        cmd = step.shared.install(ct_path, entry.sha256, json.dumps(entry.fingerprint), json.dumps(provenance))
+        cmd = install_command(target, step, ct_path, entry.sha256, json.dumps(entry.fingerprint),
+                              json.dumps(provenance))
         res = channel.exec(step.name, "install", cmd, step.timeout)
         if res.rc == 0:
             self.cache.note_install(entry, target.id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -85,7 +85,13 @@ class SharedBuild:
     version: str
     fingerprint: str  # read-only: prints the target's fingerprint
     build: str  # builds the wheel, installs it, records it, and leaves it for the control machine to fetch
-    install: Callable[[str, str, str, str], str]  # (wheel path in the target, sha256, fingerprint json, provenance)
+    # Installs the cached wheel: a script, like the others, that reads what is only known at run time from the
+    # shell variables INSTALL_VARS (the wheel's path in the target, its sha256, the fingerprint and provenance
+    # JSON), which the engine sets (planner.install_command).
+    install: str
+
+
+INSTALL_VARS = ("fc_wheel", "fc_wheel_sha256", "fc_fingerprint", "fc_provenance")
 
 
 @dataclass

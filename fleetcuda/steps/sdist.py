@@ -18,7 +18,7 @@ from pydantic import Field, StringConstraints
 from fleetcuda.plan.command import quote
 from fleetcuda.remote import program, python_heredoc, shell_text
 from fleetcuda.remote.framing import PYTHON_NONCE, frame
-from fleetcuda.steps.base import Scripts, SharedBuild, StepContext, StepSpec, all_of
+from fleetcuda.steps.base import INSTALL_VARS, Scripts, SharedBuild, StepContext, StepSpec, all_of
 from fleetcuda.steps.pip import MODULE, check_script, truthy
 
 PACKAGE = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
@@ -159,20 +159,22 @@ class SdistBuildStep(StepSpec):
         # Taken just before a build or an install: nothing is changed, so it can be re-sent.
         fingerprint = "\n".join(["set -e", *prologue, RESOLVE_ARCHS, fp_program("show")])
 
-        def install(path: str, sha: str, fingerprint_json: str, provenance_json: str) -> str:
-            return "\n".join([
-                "set -e -o pipefail", *prologue, RESOLVE_ARCHS,
-                f"whl={quote(path)}",
-                'trap \'rm -rf "$(dirname "$whl")"\' EXIT',
-                f'if ! printf "%s  %s\\n" {quote(sha)} "$whl" | sha256sum -c --status -; then',
-                f'  echo "fleetcuda: $whl does not have the sha256 of the cached wheel ({sha}): not installing" >&2',
-                "  exit 1",
-                "fi",
-                fp_program("matches", quote(fingerprint_json)),
-                *install_wheel,
-                fp_program("record", quote(provenance_json)),
-                'echo "fleetcuda: installed $(basename "$whl") from the control machine\'s cache"',
-            ])
+        # What only the run knows (which wheel, its digest, the fingerprint it was built for) comes in the shell
+        # variables INSTALL_VARS: the script itself is fixed, so a plan holds it whole.
+        wheel, sha, fingerprint_json, provenance_json = (f'"${{{name}}}"' for name in INSTALL_VARS)
+        install = "\n".join([
+            "set -e -o pipefail", *prologue, RESOLVE_ARCHS,
+            f"whl={wheel}",
+            'trap \'rm -rf "$(dirname "$whl")"\' EXIT',
+            f'if ! printf "%s  %s\\n" {sha} "$whl" | sha256sum -c --status -; then',
+            f'  echo "fleetcuda: $whl does not have the sha256 of the cached wheel ({sha[1:-1]}): not installing" >&2',
+            "  exit 1",
+            "fi",
+            fp_program("matches", fingerprint_json),
+            *install_wheel,
+            fp_program("record", provenance_json),
+            'echo "fleetcuda: installed $(basename "$whl") from the control machine\'s cache"',
+        ])
 
         # check and verify: installed and imports, and (when fleetcuda recorded the build) still built for this
         # target's ABI. A stale record is said last, so it is what reports show as found.
