@@ -37,6 +37,7 @@ ANSIBLE_PACKAGE = "ansible==12.3.0"
 SECRET_PREFIX = "fleetcuda_secret_"
 # Labels carry a run id in fleetcuda (what Ctrl-C stops); an exported playbook is one "run" per export.
 RUN_ID = "ansible"
+EXPORT_NONCE = "0" * 16  # frames' nonce in the exported commands (fleetcuda's own runs make a new one each run)
 # Where a shared build leaves its wheel, as the build says it in its `wheel` frame
 # (`@@fleetcuda:<nonce> wheel /tmp/fleetcuda-wheel.X/f.whl <sha256>`, see fleetcuda.remote.framing).
 KEPT_WHEEL_DIR = "'(?<= wheel )/tmp/fleetcuda-wheel[.][A-Za-z0-9]+(?=/)'"
@@ -161,7 +162,9 @@ class _Placeholders:
             parts.append(SECRET_PREFIX + self.by_value[placeholder])
             rest = rest[at + len(placeholder):]
         for piece in stdin.split("\0")[:-1]:
-            if not any(p in piece for p in self.by_value):
+            # The frame nonce goes first on the stdin of a script that prints frames: fixed and public here (the
+            # playbook reads no frames but the wheel path's), not a secret.
+            if piece != EXPORT_NONCE and not any(p in piece for p in self.by_value):
                 raise InputError("export", None, where, "a secret written literally in the recipe (an `env:` value "
                                  "named like a token) would be in clear in the exported files: put it in a "
                                  "variable listed under the recipe's `secrets:`")
@@ -245,7 +248,7 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
         planned_values = dict(values)
         for placeholder, var in placeholders.by_value.items():
             planned_values[var] = placeholder
-        plan = make_plan(recipe, target, planned_values, None, run_id=RUN_ID, nonce="0" * 32)
+        plan = make_plan(recipe, target, planned_values, None, run_id=RUN_ID, nonce=EXPORT_NONCE)
         steps: dict[str, dict[str, Any]] = {}
         for step in plan.steps:
             if step.skipped:
