@@ -32,12 +32,10 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 def state_dir_of(environ: Mapping[str, str], home: Path) -> Path:
-    """FLEETCUDA_STATE_DIR, else `${XDG_STATE_HOME:-~/.local/state}/fleetcuda`: the rule of
-    `fleetcuda.run.engine.state_dir`, which reads os.environ; this one reads the mapping it is given."""
-    if environ.get("FLEETCUDA_STATE_DIR"):
-        return Path(environ["FLEETCUDA_STATE_DIR"])
-    base = environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
-    return Path(base) / "fleetcuda"
+    """fleetcuda.state.state_dir's rule, for this environment's variables and home."""
+    from fleetcuda.state import state_dir
+
+    return state_dir(environ, home)
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,7 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
 
 
 def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:
-    found = {f.fields[0]: (f.lines[-1].strip() if f.lines else "")
-             for f in framing.parse(output, nonce) if f.kind == "fact" and f.fields}
+    found = {r.name: r.value for r in framing.read(output, nonce) if isinstance(r, framing.FactRecord)}
     missing = [n for n in names if not found.get(n)]
     if missing:
         raise TemplateError(f"could not read {', '.join(missing)} from the target (is the venv's torch there?)")
@@ -341,17 +340,16 @@ def parse_batch(output: str, nonce: str) -> dict[int, BatchResult]:
     a check's result is the last `end` frame of its index: the batch shell prints that one after the check
     has exited, so anything the check wrote earlier is overridden."""
     frames = framing.parse(output, nonce)
-    if not frames or frames[-1].kind != "done":
+    if not frames or not isinstance(framing.record(frames[-1]), framing.Done):
         return {}
+    records = framing.records(frames)
     results: dict[int, BatchResult] = {}
     texts: dict[int, str] = {}
-    for f in frames:
-        if f.kind == "begin" and len(f.fields) == 1 and f.fields[0].isdigit():
-            texts[int(f.fields[0])] = f.text
-        elif f.kind == "end" and len(f.fields) == 3 and f.fields[0].isdigit() and int(f.fields[0]) in texts:
-            index = int(f.fields[0])
-            rc = int(f.fields[1]) if f.fields[1].isdigit() else 255
-            results[index] = BatchResult(rc, texts[index], int(f.fields[2]) if f.fields[2].isdigit() else 0)
+    for r in records:
+        if isinstance(r, framing.CheckBegin):
+            texts[r.index] = r.output
+        elif isinstance(r, framing.CheckEnd) and r.index in texts:
+            results[r.index] = BatchResult(r.rc, texts[r.index], r.duration_ms)
     return results
 
 

@@ -100,7 +100,7 @@ def check_state_dir(path: Path | None = None) -> Path:
     """The state directory (FLEETCUDA_STATE_DIR or the XDG default), refused as bad input when it, or what
     would be its parent, exists and is not a directory: then no run directory, history or report can be made."""
     if path is None:
-        from fleetcuda.run.engine import state_dir  # not at the top: `fleetcuda history` needs none of the engine
+        from fleetcuda.state import state_dir
     directory = path if path is not None else state_dir()
     source = "FLEETCUDA_STATE_DIR" if path is None and os.environ.get("FLEETCUDA_STATE_DIR") else "state directory"
     for d in (directory, *directory.parents):
@@ -148,7 +148,7 @@ def check_output_path(option: str, path: str) -> Path:
 
 def default_history_path() -> Path:
     """`$FLEETCUDA_STATE_DIR/history.sqlite`, else `${XDG_STATE_HOME:-~/.local/state}/fleetcuda/history.sqlite`."""
-    from fleetcuda.run.engine import state_dir
+    from fleetcuda.state import state_dir
 
     return state_dir() / "history.sqlite"
 

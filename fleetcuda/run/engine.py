@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
 from fleetcuda.connectors.base import TransportPool
-from fleetcuda.errors import InputError
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.planner import RunPlan
 from fleetcuda.plan.recipe import Recipe
@@ -46,32 +43,10 @@ from fleetcuda.run.locks import LOCK_REFRESH_S, TargetLock
 from fleetcuda.run.retry import Sleep
 from fleetcuda.run.shared import SharedBuilds
 from fleetcuda.run.wheelcache import WheelCache
+from fleetcuda.state import make_run_dir as make_run_dir
+from fleetcuda.state import state_dir as state_dir
 
 Mode = Literal["apply", "check", "verify"]
-
-
-def state_dir() -> Path:
-    if os.environ.get("FLEETCUDA_STATE_DIR"):
-        return Path(os.environ["FLEETCUDA_STATE_DIR"])
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "fleetcuda"
-
-
-def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
-    base = root or state_dir()
-    runs = base / "runs"
-    try:
-        runs.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(runs.parent, 0o700)
-        os.chmod(runs, 0o700)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        # mkdtemp: unique even for two runs of one process within a second; created 0700.
-        path = Path(tempfile.mkdtemp(prefix=f"{stamp}-{mode}-{recipe}-{os.getpid()}-", dir=runs))
-    except OSError as exc:
-        where = "FLEETCUDA_STATE_DIR" if os.environ.get("FLEETCUDA_STATE_DIR") else "state directory"
-        raise InputError(where, None, str(base), f"cannot make the run directory there: {exc.strerror or exc}; "
-                         "set FLEETCUDA_STATE_DIR to a directory of yours") from None
-    return path
 
 
 class Engine:

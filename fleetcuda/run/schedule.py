@@ -155,7 +155,7 @@ def write_crontab(text: str, crontab_cmd: str | Sequence[str] = "crontab") -> No
 
 def default_lock_path() -> Path:
     """The lock that serializes this user's crontab edits: in fleetcuda's state directory."""
-    from fleetcuda.run.engine import state_dir  # not at the top: the engine is heavy and needs nothing from here
+    from fleetcuda.state import state_dir
 
     return state_dir() / "crontab.lock"
 
