@@ -14,6 +14,7 @@ a prompted (or vaulted, or AWX-supplied) variable. No secret value is ever in th
 
 from __future__ import annotations
 
+import json
 import re
 import secrets as pyrandom
 from collections.abc import Mapping
@@ -461,6 +462,8 @@ def render_project(recipe: Recipe, inventory: Inventory, targets: list[Target], 
                    recipe_path: str, inventory_path: str) -> dict[str, str]:
     """{relative path: file text} of the exported project."""
     exp = build_export(recipe, targets, overrides)
+    # Paths as JSON strings (ASCII, escaped): a newline in a file name must not end the comment and start YAML.
+    recipe_path, inventory_path = json.dumps(str(recipe_path)), json.dumps(str(inventory_path))
     head = f"# Written by fleetcuda {__version__} export ansible from {recipe_path} and {inventory_path}.\n"
     files = {
         "ansible.cfg": ANSIBLE_CFG,
