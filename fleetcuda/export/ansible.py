@@ -30,6 +30,8 @@ from fleetcuda.plan.command import BuiltCommand, HopChain, host_argv
 from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import PlannedStep, Secrets, base_values, make_plan, pending_facts
 from fleetcuda.plan.recipe import Recipe
+from fleetcuda.plan.templating import FILTERS
+from fleetcuda.redact import URL_CREDENTIALS
 
 MARKER = ".fleetcuda-export"
 # ansible 12.3.0 bundles ansible-core 2.19 and community.proxmox 1.4.0, the version this export was tested with.
@@ -137,8 +139,18 @@ class _Placeholders:
     """A random stand-in per secret variable: the planner routes it wherever the secret would go."""
 
     def __init__(self, names: list[str]):
-        token = pyrandom.token_hex(8)
-        self.by_value = {f"fcsecret{i}x{token}": name for i, name in enumerate(names)}
+        token, dotted = pyrandom.token_hex(8), pyrandom.token_hex(4)
+        # With a `.` in it, so that `{{ secret | dashed }}` (nodot, major) is told apart from the secret: each
+        # form the planner can make of a placeholder maps to the Jinja expression making it of the secret.
+        self.planned = {f"fcsecret{i}x{token}.{dotted}": name for i, name in enumerate(names)}
+        self.by_value: dict[str, str] = {}
+        for placeholder, name in self.planned.items():
+            var = SECRET_PREFIX + name
+            forms = {placeholder: var, **{f(placeholder): expr.format(var) for f, expr in (
+                (FILTERS["dashed"], "({} | replace('.', '-'))"), (FILTERS["nodot"], "({} | replace('.', ''))"),
+                (FILTERS["major"], "({}.split('.') | first)"))}}
+            assert set(FILTERS) == {"dashed", "nodot", "major"} and len(forms) == 4
+            self.by_value.update(forms)
 
     def stdin_expression(self, stdin: str, where: str, ref: str) -> tuple[str, UnsafeList]:
         """`stdin` with each placeholder as its prompted variable, as one Jinja expression, and the literal
@@ -156,10 +168,10 @@ class _Placeholders:
             if not hits:
                 literal(rest)
                 break
-            at, placeholder = min(hits)
+            at, placeholder = min(hits, key=lambda h: (h[0], -len(h[1])))  # the longest form where it starts
             if at:
                 literal(rest[:at])
-            parts.append(SECRET_PREFIX + self.by_value[placeholder])
+            parts.append(self.by_value[placeholder])
             rest = rest[at + len(placeholder):]
         for piece in stdin.split("\0")[:-1]:
             if not any(p in piece for p in self.by_value):
@@ -244,7 +256,7 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
         secret_names.update(names)
         placeholders = _Placeholders(names)
         planned_values = dict(values)
-        for placeholder, var in placeholders.by_value.items():
+        for placeholder, var in placeholders.planned.items():
             planned_values[var] = placeholder
         plan = make_plan(recipe, target, planned_values, None, run_id=RUN_ID, nonce="0" * 32)
         steps: dict[str, dict[str, Any]] = {}
@@ -253,9 +265,33 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
                 continue
             steps[step.name] = _step_commands(exp, target, step, placeholders)
         public = {k: v for k, v in values.items() if k not in names}
+        _refuse_clear_secrets(target, Secrets(recipe, values), public, steps)
         hosts.append(HostExport(name, target, _connection(target), steps, public))
     exp.secret_names = sorted(secret_names)
     return exp
+
+
+def _url_credentials(text: str) -> bool:
+    """A `scheme://user:password@` in clear; a password that is a shell variable (`${fc_token}`, read from
+    stdin) is not one."""
+    return any(not m["pw"].startswith("$") for m in URL_CREDENTIALS.finditer(text))
+
+
+def _refuse_clear_secrets(target: Target, real: Secrets, public: Mapping[str, str],
+                          steps: Mapping[str, Mapping[str, Any]]) -> None:
+    """What fleetcuda treats as secret (a value holding a secret's value, credentials in a URL) would be in
+    clear in the files: the planner was given placeholders, so it no longer sees such a value as secret."""
+    pieces = real.pieces()
+    fix = ("would be in clear in the exported files: put the secret in a variable listed under the recipe's "
+           "`secrets:` and refer to it, rather than repeating its value or writing it in a URL")
+    for k, v in public.items():
+        if any(p in v for p in pieces) or _url_credentials(v):
+            raise InputError("export", None, f"{target.id} variable {k}", fix)
+    for step, commands in steps.items():
+        for key, command in commands.items():
+            words = [*command["argv"], *command.get("stdin_text", [])]
+            if any(p in w for w in words for p in pieces) or any(_url_credentials(w) for w in words):
+                raise InputError("export", None, f"{target.id} step {step} ({key})", fix)
 
 
 def _step_commands(exp: Export, target: Target, step: PlannedStep, placeholders: _Placeholders) -> dict[str, Any]:
