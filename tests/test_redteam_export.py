@@ -47,7 +47,6 @@ def ansible() -> Path:
 # -- secrets in clear ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team export: a public var holding a secret's value is written in clear")
 def test_redteam_export_secret_value_also_in_a_public_var_is_not_in_clear(tmp_path: Path) -> None:
     """fleetcuda treats any value that holds a secret's value as secret (stdin, redacted); the export planned
     with placeholders, so `other` went into host_vars and the argv in clear."""
@@ -62,7 +61,6 @@ def test_redteam_export_secret_value_also_in_a_public_var_is_not_in_clear(tmp_pa
         assert done.returncode == 2 and "other" in done.stderr and "hunter2" not in done.stderr, done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="red team export: URL credentials are written in clear")
 def test_redteam_export_credentials_in_a_url_are_not_in_clear(tmp_path: Path) -> None:
     """README Security: credentials in URLs are secrets (`https://user:***@mirror`); the export wrote them."""
     r, i = _files(tmp_path, {"name": "r", "vars": {"mirror": "https://pypi.org/simple"},
@@ -100,7 +98,6 @@ def test_redteam_export_newline_in_recipe_path_cannot_add_a_play(tmp_path: Path)
 # -- byte-exact values ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team export: a filtered secret reaches the step unfiltered")
 def test_redteam_export_filtered_secret_reaches_the_step_as_fleetcuda_renders_it(tmp_path: Path,
                                                                                   ansible: Path) -> None:
     """`{{ api_token | dashed }}`: the planner applied the filter to the placeholder (which has no `.`), so the
@@ -108,13 +105,15 @@ def test_redteam_export_filtered_secret_reaches_the_step_as_fleetcuda_renders_it
     seen = tmp_path / "seen"
     r, i = _files(tmp_path, {"name": "r", "vars": {"api_token": "x"}, "secrets": ["api_token"],
                              "steps": [{"name": "s", "check": f"test -f {seen}",
-                                        "apply": f"printf %s {{{{ api_token | dashed }}}} > {seen}"}]})
+                                        "apply": "printf %s/%s/%s/%s {{ api_token }} {{ api_token | dashed }} "
+                                                 f"{{{{ api_token | nodot }}}} {{{{ api_token | major }}}} > {seen}"}]})
     project = tmp_path / "project"
     done = export(str(r), "-i", str(i), "-o", str(project))
     assert done.returncode == 0, done.stderr
     run = playbook(ansible, project, "site.yml", "-e", json.dumps({"fleetcuda_secret_api_token": "ab.cd.ef.gh"}))
     assert run.rc == 0, run.output[-3000:]
-    assert seen.read_text() == "ab-cd-ef-gh"
+    assert seen.read_text() == "ab.cd.ef.gh/ab-cd-ef-gh/abcdefgh/ab"
+    assert "ab.cd" not in _all_text(project) and "ab.cd" not in run.output
 
 
 @pytest.mark.xfail(strict=True, reason="red team export: a secret given the way README says (-e @secrets.yml, "
@@ -170,3 +169,78 @@ def test_redteam_export_scripts_are_the_dry_runs(tmp_path: Path) -> None:
             assert argv[argv.index("-c") + 1] == script["script"], (step["name"], phase)
             compared += 1
     assert compared >= 3
+
+
+# -- the writer: symlinks and races ---------------------------------------------------------------------------
+
+
+def _render(tmp_path: Path) -> dict[str, str]:
+    from fleetcuda.export.ansible import render_project
+    from fleetcuda.plan.inventory import load_inventory
+    from fleetcuda.plan.recipe import load_recipe
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]})
+    inventory = load_inventory(i)
+    return render_project(load_recipe(r), inventory, inventory.targets, {}, str(r), str(i))
+
+
+def test_redteam_export_dir_swapped_for_a_symlink_before_the_write_writes_nothing_there(tmp_path: Path) -> None:
+    """-o DIR checked, then replaced by a symlink to another directory before the files are written: the old
+    writer followed it (chmod 0700 of the other directory, every file written into it)."""
+    from fleetcuda.errors import InputError
+    from fleetcuda.export.writer import write_project
+    files = _render(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    dest_path = tmp_path / "out"
+
+    class Racing(type(dest_path)):  # type: ignore[misc]
+        def mkdir(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if str(self) == str(dest_path) and not os.path.lexists(self):
+                os.symlink(elsewhere, self)  # the race: another process's symlink appears
+            return super().mkdir(*args, **kwargs)
+
+    with pytest.raises((InputError, OSError)):
+        write_project(Racing(dest_path), files)
+    assert os.listdir(elsewhere) == [] and (elsewhere.stat().st_mode & 0o777) == 0o755
+
+
+def test_redteam_export_symlinks_inside_a_previous_export_are_removed_not_followed(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]})
+    out = tmp_path / "out"
+    assert export(str(r), "-i", str(i), "-o", str(out)).returncode == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.yml").write_text("keep")
+    (out / "host_vars" / "h.yml").unlink()
+    (out / "host_vars").rmdir()
+    (out / "host_vars").symlink_to(elsewhere)
+    (out / "site.yml").unlink()
+    (out / "site.yml").symlink_to(elsewhere / "keep.yml")
+    assert export(str(r), "-i", str(i), "-o", str(out)).returncode == 0
+    assert os.listdir(elsewhere) == ["keep.yml"] and (elsewhere / "keep.yml").read_text() == "keep"
+    assert not (out / "host_vars").is_symlink() and not (out / "site.yml").is_symlink()
+
+
+def test_redteam_export_a_symlinked_marker_does_not_make_a_directory_an_export(tmp_path: Path) -> None:
+    """A directory whose `.fleetcuda-export` is a symlink to some file was taken for a previous export and
+    emptied."""
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "mine.txt").write_text("keep")
+    (other / ".fleetcuda-export").symlink_to(r)
+    done = export(str(r), "-i", str(i), "-o", str(other))
+    assert done.returncode == 2 and "not empty" in done.stderr, done.stderr
+    assert (other / "mine.txt").read_text() == "keep"
+
+
+def test_redteam_export_dir_that_is_a_file_or_a_symlink_is_refused(tmp_path: Path) -> None:
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]})
+    a_file = tmp_path / "f"
+    a_file.write_text("keep")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target-dir")
+    for dest in (a_file, link, a_file / "sub"):
+        done = export(str(r), "-i", str(i), "-o", str(dest))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (dest, done.stderr)
+    assert a_file.read_text() == "keep" and not (tmp_path / "target-dir").exists()
