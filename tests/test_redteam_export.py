@@ -244,3 +244,30 @@ def test_redteam_export_dir_that_is_a_file_or_a_symlink_is_refused(tmp_path: Pat
         done = export(str(r), "-i", str(i), "-o", str(dest))
         assert done.returncode == 2 and "Traceback" not in done.stderr, (dest, done.stderr)
     assert a_file.read_text() == "keep" and not (tmp_path / "target-dir").exists()
+
+
+# -- what held ------------------------------------------------------------------------------------------------
+
+
+def test_redteam_export_held_env_check_mode_changed_and_a_failed_host_alone(tmp_path: Path, ansible: Path) -> None:
+    """The controller's environment never reaches a step; --check applies nothing; a failed step stops only
+    its host; `changed` counts applies that ran."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    r, i = _files(tmp_path, {"name": "r", "steps": [
+        {"name": "no-leak", "verify": 'test -z "${LEAKME+x}${ANSIBLE_FORCE_COLOR+x}" && test "$LANG" = C.UTF-8'},
+        {"name": "touch", "check": f"test -f {seen}/{{{{ target }}}}", "apply": f"touch {seen}/{{{{ target }}}}"},
+        {"name": "fails-on-g", "check": "test {{ target }} != g", "apply": "false"},
+        {"name": "last", "check": f"test -f {seen}/last-{{{{ target }}}}",
+         "apply": f"touch {seen}/last-{{{{ target }}}}"}]},
+        "hosts:\n  g:\n    kind: local\n  h:\n    kind: local\n")
+    project = tmp_path / "project"
+    assert export(str(r), "-i", str(i), "-o", str(project)).returncode == 0
+    leak = {"LEAKME": "1", "ANSIBLE_FORCE_COLOR": "0"}
+    checked = playbook(ansible, project, "site.yml", "--check", extra_env=leak)
+    assert os.listdir(seen) == [], checked.output[-2000:]
+    assert checked.recap["h"]["failed"] == 0 and checked.recap["h"]["changed"] == 2, checked.output[-3000:]
+    run = playbook(ansible, project, "site.yml", extra_env=leak)
+    assert run.rc != 0 and run.recap["g"]["failed"] == 1 and run.recap["h"]["failed"] == 0, run.output[-3000:]
+    assert sorted(os.listdir(seen)) == ["g", "h", "last-h"]
+    assert run.recap["h"]["changed"] == 2
