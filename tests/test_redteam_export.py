@@ -271,3 +271,45 @@ def test_redteam_export_held_env_check_mode_changed_and_a_failed_host_alone(tmp_
     assert run.rc != 0 and run.recap["g"]["failed"] == 1 and run.recap["h"]["failed"] == 0, run.output[-3000:]
     assert sorted(os.listdir(seen)) == ["g", "h", "last-h"]
     assert run.recap["h"]["changed"] == 2
+
+
+# -- inventory paths ------------------------------------------------------------------------------------------
+
+
+def test_redteam_export_known_hosts_path_cannot_add_ssh_options(tmp_path: Path, ansible: Path) -> None:
+    """A host without containers runs over Ansible's ssh, whose `ansible_ssh_common_args` is split like a
+    shell line: the known_hosts path `kh -F evil.cfg` (only characters an inventory path may hold) gave ssh a
+    config file of the attacker's, whose ProxyCommand ran on the controller. fleetcuda quotes it."""
+    pwned = tmp_path / "pwned"
+    evil = tmp_path / "evil.cfg"
+    evil.write_text(f"Host *\n  ProxyCommand touch {pwned}\n")
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]},
+                  f"hosts:\n  bare:\n    address: 127.0.0.1\n    port: 1\n    known_hosts: {tmp_path}/kh -F {evil}\n")
+    project = tmp_path / "project"
+    done = export(str(r), "-i", str(i), "-o", str(project))
+    if done.returncode == 2:
+        return  # refused: fine
+    assert done.returncode == 0, done.stderr
+    run = playbook(ansible, project, "verify.yml", timeout=120)
+    assert not pwned.exists(), "an inventory path ran a command on the controller through ssh -F"
+    assert run.rc != 0
+
+
+def test_redteam_export_relative_key_and_known_hosts_paths_name_the_same_files(tmp_path: Path) -> None:
+    """fleetcuda reads a relative identity_file / known_hosts from where it runs; the export wrote them as they
+    were, and the playbook, run in DIR (README: `cd DIR && ansible-playbook ...`), reads other files."""
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "id").write_text("key")
+    (tmp_path / "kh").write_text("# kh\n")
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]},
+                  "hosts:\n  pve:\n    address: 127.0.0.1\n    identity_file: keys/id\n    known_hosts: kh\n"
+                  "    containers:\n      200: {name: c}\n  bare:\n    address: 127.0.0.1\n"
+                  "    identity_file: keys/id\n    known_hosts: kh\n")
+    project = tmp_path / "project"
+    done = export(str(r), "-i", str(i), "-o", str(project), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    hosts = yaml.safe_load((project / "inventory.yml").read_text())["all"]["children"]["fleetcuda_targets"]["hosts"]
+    for host in hosts.values():
+        assert Path(host["ansible_private_key_file"]) == tmp_path / "keys" / "id", host
+    assert f"{tmp_path}/kh" in hosts["bare"]["ansible_ssh_common_args"]
+    assert (project / "known_hosts").read_text() == "# kh\n"

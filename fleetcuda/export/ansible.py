@@ -15,8 +15,10 @@ a prompted (or vaulted, or AWX-supplied) variable. No secret value is ever in th
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets as pyrandom
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,7 +215,7 @@ def _connection(target: Target) -> dict[str, Any]:
                             "ansible_host_key_checking": True,
                             "ansible_python_interpreter": "/usr/bin/python3"}
     if hop.identity_file:
-        conn["ansible_private_key_file"] = hop.identity_file
+        conn["ansible_private_key_file"] = _local_path(hop.identity_file)
     if target.container is not None:
         assert chain.pct is not None
         if chain.pct.pct != "/usr/sbin/pct":
@@ -226,10 +228,20 @@ def _connection(target: Target) -> dict[str, Any]:
             conn["proxmox_become_method"] = "sudo -n"
     else:
         conn["ansible_connection"] = "ssh"
-        conn["ansible_ssh_common_args"] = "-o BatchMode=yes -o StrictHostKeyChecking=yes -o UpdateHostKeys=no"
+        args = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no"]
         if hop.known_hosts:
-            conn["ansible_ssh_common_args"] += f" -o UserKnownHostsFile={hop.known_hosts}"
+            # Ansible splits these args like a shell line, then OpenSSH splits the value on spaces: quoted for
+            # both, as fleetcuda's ssh_argv does (a path `kh -F evil.cfg` gave ssh a config file).
+            kh = _local_path(hop.known_hosts).replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+            args += ["-o", f'UserKnownHostsFile="{kh}"']
+        conn["ansible_ssh_common_args"] = shlex.join(args)
     return conn
+
+
+def _local_path(path: str) -> str:
+    """A path on the control machine as the playbook, run in the export's directory, must name it: fleetcuda
+    reads a relative one from where it runs (the export's working directory)."""
+    return path if path.startswith("~") else os.path.abspath(path)
 
 
 def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, str]) -> Export:
