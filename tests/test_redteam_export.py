@@ -313,3 +313,22 @@ def test_redteam_export_relative_key_and_known_hosts_paths_name_the_same_files(t
         assert Path(host["ansible_private_key_file"]) == tmp_path / "keys" / "id", host
     assert f"{tmp_path}/kh" in hosts["bare"]["ansible_ssh_common_args"]
     assert (project / "known_hosts").read_text() == "# kh\n"
+
+
+def test_redteam_export_when_on_a_secret_is_not_decided_by_a_placeholder(tmp_path: Path) -> None:
+    """`when: hf_token` (log in only when a token is given): the export decided `when:` on the placeholder it
+    plans secrets with (always truthy), so the step ran where fleetcuda's dry run shows it skipped."""
+    r, i = _files(tmp_path, {"name": "r", "vars": {"hf_token": ""}, "secrets": ["hf_token"],
+                             "steps": [{"name": "login", "when": "hf_token", "env": {"HF_TOKEN": "{{ hf_token }}"},
+                                        "check": "false", "apply": 'test -n "$HF_TOKEN"'},
+                                       {"name": "other", "verify": "true"}]})
+    dry = _dry_run(r, i)
+    assert dry["targets"][0]["steps"][0]["skipped"], dry["targets"][0]["steps"][0]
+    out = tmp_path / "out"
+    done = export(str(r), "-i", str(i), "-o", str(out))
+    if done.returncode == 2:
+        assert "hf_token" in done.stderr and "when" in done.stderr, done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    steps = yaml.load((out / "host_vars" / "h.yml").read_text(), Loader=_UnsafeLoader)["fleetcuda_steps"]
+    assert "login" not in steps

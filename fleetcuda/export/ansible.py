@@ -266,6 +266,13 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
                              f"what a target reads) or set it in the inventory")
         names = sorted(n for n in Secrets(recipe, values).names if n in values)
         secret_names.update(names)
+        for n, spec in enumerate(recipe.steps):
+            # `when:` is decided at export time; a secret's value is known only when the playbook runs.
+            read = re.match(r"\s*!?\s*([A-Za-z_][A-Za-z0-9_]*)", spec.when or "")
+            if read and read[1] in names:
+                raise InputError("export", None, f"steps[{n}] ({spec.name}) when",
+                                 f"reads the secret variable {read[1]}, which the playbook is given only when it "
+                                 "runs: use a non-secret variable for `when:` (e.g. --var hf_login=1)")
         placeholders = _Placeholders(names)
         planned_values = dict(values)
         for placeholder, var in placeholders.planned.items():
