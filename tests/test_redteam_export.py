@@ -332,3 +332,18 @@ def test_redteam_export_when_on_a_secret_is_not_decided_by_a_placeholder(tmp_pat
     assert done.returncode == 0, done.stderr
     steps = yaml.load((out / "host_vars" / "h.yml").read_text(), Loader=_UnsafeLoader)["fleetcuda_steps"]
     assert "login" not in steps
+
+
+def test_redteam_export_secret_bash_would_run_as_a_subscript_is_refused_at_run_time(tmp_path: Path,
+                                                                                     ansible: Path) -> None:
+    """fleetcuda refuses a value with a command inside [ ] wherever it goes (bash runs it where it reads the
+    value as a number); a secret is known to the exported playbook only when it runs, and was not checked."""
+    pwned = tmp_path / "pwned"
+    r, i = _files(tmp_path, {"name": "r", "vars": {"api_token": "1"}, "secrets": ["api_token"],
+                             "steps": [{"name": "s", "verify": "if(( {{ api_token }} )); then :; fi; true"}]})
+    project = tmp_path / "project"
+    assert export(str(r), "-i", str(i), "-o", str(project)).returncode == 0
+    run = playbook(ansible, project, "site.yml", "-e",
+                   json.dumps({"fleetcuda_secret_api_token": f"a[$(touch {pwned})]"}))
+    assert not pwned.exists(), "a secret ran a command through bash arithmetic"
+    assert run.rc != 0 and "refused" in run.output and str(pwned) not in run.output, run.output[-2000:]

@@ -32,7 +32,7 @@ from fleetcuda.plan.command import BuiltCommand, HopChain, host_argv
 from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import PlannedStep, Secrets, base_values, make_plan, pending_facts
 from fleetcuda.plan.recipe import Recipe
-from fleetcuda.plan.templating import FILTERS
+from fleetcuda.plan.templating import _SUBSCRIPT_COMMAND, FILTERS
 from fleetcuda.redact import URL_CREDENTIALS
 
 MARKER = ".fleetcuda-export"
@@ -414,6 +414,18 @@ def _play(exp: Export, mode: str) -> list[dict[str, Any]]:
         play["vars_prompt"] = [{"name": SECRET_PREFIX + n, "prompt": f"{n} (secret)", "private": True,
                                 "unsafe": True} for n in exp.secret_names]
     play["tasks"] = [_step_block(exp, step, mode) for step in exp.step_names]
+    if exp.secret_names:
+        # fleetcuda refuses such a value wherever it would go (templating.check_value); a secret is known here
+        # only at run time. The condition names the variables, never their values.
+        play["vars"] = {"fleetcuda_refused_value": "(?s)" + _SUBSCRIPT_COMMAND.pattern}
+        play["tasks"].insert(0, {
+            "name": "secrets: none that bash would run as a subscript",
+            "ansible.builtin.assert": {
+                "that": [f"{SECRET_PREFIX}{n} is not search(fleetcuda_refused_value)" for n in exp.secret_names],
+                "fail_msg": "a secret holds a command inside [ ]: refused, as fleetcuda refuses it, since bash runs "
+                            "it wherever it reads the value as a number or a variable's name",
+                "quiet": True},
+        })
     if mode == "verify":
         play["tasks"].insert(0, {"name": "no drift seen yet", "ansible.builtin.set_fact": {"fc_drifted": []}})
         play["tasks"].append({"name": "drifted steps", "when": "fc_drifted | length > 0",
