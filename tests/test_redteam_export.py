@@ -347,3 +347,17 @@ def test_redteam_export_secret_bash_would_run_as_a_subscript_is_refused_at_run_t
                    json.dumps({"fleetcuda_secret_api_token": f"a[$(touch {pwned})]"}))
     assert not pwned.exists(), "a secret ran a command through bash arithmetic"
     assert run.rc != 0 and "refused" in run.output and str(pwned) not in run.output, run.output[-2000:]
+
+
+def test_redteam_export_sudo_false_runs_pct_without_sudo(tmp_path: Path) -> None:
+    """`sudo: false` (a user that is root under another name): fleetcuda runs pct itself, the export made
+    proxmox_pct_remote run `sudo -n pct`, which fails on a Proxmox host without sudo (its default)."""
+    r, i = _files(tmp_path, {"name": "r", "steps": [{"name": "s", "verify": "true"}]},
+                  "hosts:\n  pve:\n    address: 127.0.0.1\n    user: admin\n    sudo: false\n"
+                  "    containers:\n      200: {name: c}\n")
+    dry = _dry_run(r, i)
+    assert "sudo" not in dry["targets"][0]["steps"][0]["scripts"]["verify"]["line"]
+    out = tmp_path / "out"
+    assert export(str(r), "-i", str(i), "-o", str(out)).returncode == 0
+    host = yaml.safe_load((out / "inventory.yml").read_text())["all"]["children"]["fleetcuda_targets"]["hosts"]
+    assert "sudo" not in host["pve-200"].get("proxmox_become_method", ""), host

@@ -224,8 +224,11 @@ def _connection(target: Target) -> dict[str, Any]:
         conn["ansible_connection"] = "community.proxmox.proxmox_pct_remote"
         conn["proxmox_vmid"] = target.container.vmid
         # The plugin puts its become method before pct for any user not named root; `-n`: never a password.
-        if chain.pct.sudo or hop.user != "root":
+        # A user that is root under another name (`sudo: false`) runs pct as fleetcuda does: `env` changes nothing.
+        if chain.pct.sudo:
             conn["proxmox_become_method"] = "sudo -n"
+        elif hop.user != "root":
+            conn["proxmox_become_method"] = "/usr/bin/env"
     else:
         conn["ansible_connection"] = "ssh"
         args = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no"]
