@@ -361,3 +361,22 @@ def test_redteam_export_sudo_false_runs_pct_without_sudo(tmp_path: Path) -> None
     assert export(str(r), "-i", str(i), "-o", str(out)).returncode == 0
     host = yaml.safe_load((out / "inventory.yml").read_text())["all"]["children"]["fleetcuda_targets"]["hosts"]
     assert "sudo" not in host["pve-200"].get("proxmox_become_method", ""), host
+
+
+def test_redteam_export_held_a_secret_tagged_unsafe_in_a_vars_file_arrives_exact(tmp_path: Path,
+                                                                                  ansible: Path) -> None:
+    """What the exported README now says for vaulted secrets (`!unsafe`) carries `{{ }}` and `{% %}` exactly."""
+    seen = tmp_path / "seen"
+    r, i = _files(tmp_path, {"name": "r", "vars": {"api_token": "x"}, "secrets": ["api_token"],
+                             "steps": [{"name": "s", "env": {"API_TOKEN": "{{ api_token }}"},
+                                        "check": f"test -f {seen}",
+                                        "apply": f'printf %s "$API_TOKEN" > {seen}'}]})
+    project = tmp_path / "project"
+    assert export(str(r), "-i", str(i), "-o", str(project)).returncode == 0
+    assert "!unsafe" in (project / "README.md").read_text()
+    secret = "a{{ 6 * 7 }}b{% if true %}Z{% endif %}'\"\\"
+    vars_file = tmp_path / "secrets.yml"
+    vars_file.write_text("fleetcuda_secret_api_token: !unsafe " + json.dumps(secret) + "\n")
+    run = playbook(ansible, project, "site.yml", "-e", f"@{vars_file}")
+    assert run.rc == 0, run.output[-3000:]
+    assert seen.read_text() == secret

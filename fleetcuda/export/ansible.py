@@ -512,6 +512,8 @@ stdin (never its argv), with `no_log` on every task that carries one:
 
 Non-interactively (AWX: a survey or a credential's extra vars; or a vaulted file):
 `ansible-vault create secrets.yml` then `ansible-playbook -i inventory.yml site.yml -e @secrets.yml --ask-vault-pass`.
+Tag each value there `!unsafe` (`fleetcuda_secret_hf_token: !unsafe 'the value'`): Ansible templates a value
+from a vars file, so a secret holding `{{{{` or `{{%` would otherwise be evaluated, not sent as it is.
 
 ## Not carried over
 
