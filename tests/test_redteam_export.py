@@ -347,6 +347,8 @@ def test_redteam_export_secret_bash_would_run_as_a_subscript_is_refused_at_run_t
                    json.dumps({"fleetcuda_secret_api_token": f"a[$(touch {pwned})]"}))
     assert not pwned.exists(), "a secret ran a command through bash arithmetic"
     assert run.rc != 0 and "refused" in run.output and str(pwned) not in run.output, run.output[-2000:]
+    nul = playbook(ansible, project, "site.yml", "-e", json.dumps({"fleetcuda_secret_api_token": "1\u0000x"}))
+    assert nul.rc != 0 and "refused" in nul.output, nul.output[-2000:]
 
 
 def test_redteam_export_sudo_false_runs_pct_without_sudo(tmp_path: Path) -> None:

@@ -420,13 +420,15 @@ def _play(exp: Export, mode: str) -> list[dict[str, Any]]:
     if exp.secret_names:
         # fleetcuda refuses such a value wherever it would go (templating.check_value); a secret is known here
         # only at run time. The condition names the variables, never their values.
-        play["vars"] = {"fleetcuda_refused_value": "(?s)" + _SUBSCRIPT_COMMAND.pattern}
+        # And a NUL, which fleetcuda refuses in any value: on stdin it would end the secret early (`read -d ''`)
+        # and hand the rest to the next variable read there.
+        play["vars"] = {"fleetcuda_refused_value": "(?s)" + _SUBSCRIPT_COMMAND.pattern + r"|\x00"}
         play["tasks"].insert(0, {
             "name": "secrets: none that bash would run as a subscript",
             "ansible.builtin.assert": {
                 "that": [f"{SECRET_PREFIX}{n} is not search(fleetcuda_refused_value)" for n in exp.secret_names],
-                "fail_msg": "a secret holds a command inside [ ]: refused, as fleetcuda refuses it, since bash runs "
-                            "it wherever it reads the value as a number or a variable's name",
+                "fail_msg": "a secret holds a NUL or a command inside [ ]: refused, as fleetcuda refuses it (bash "
+                            "runs the command wherever it reads the value as a number or a variable's name)",
                 "quiet": True},
         })
     if mode == "verify":
