@@ -382,3 +382,29 @@ def test_redteam_export_held_a_secret_tagged_unsafe_in_a_vars_file_arrives_exact
     run = playbook(ansible, project, "site.yml", "-e", f"@{vars_file}")
     assert run.rc == 0, run.output[-3000:]
     assert seen.read_text() == secret
+
+
+def test_redteam_export_an_apply_that_timed_out_is_not_sent_again(tmp_path: Path, ansible: Path) -> None:
+    """fleetcuda never re-sends an apply that ran out of time (exit 124/137: it may still be half done); the
+    playbook's `until: rc == 0` retried it like any failure."""
+    tries = tmp_path / "tries"
+    r, i = _files(tmp_path, {"name": "r", "steps": [
+        {"name": "slow", "timeout": 1, "retries": 2, "retry_delay": 0, "check": "false",
+         "apply": f"echo x >> {tries}; sleep 5"}]})
+    project = tmp_path / "project"
+    assert export(str(r), "-i", str(i), "-o", str(project)).returncode == 0
+    run = playbook(ansible, project, "site.yml")
+    assert run.rc != 0 and run.recap["h"]["failed"] == 1, run.output[-2000:]
+    assert tries.read_text() == "x\n"
+
+
+def test_redteam_export_held_a_failing_apply_is_retried(tmp_path: Path, ansible: Path) -> None:
+    tries = tmp_path / "tries"
+    r, i = _files(tmp_path, {"name": "r", "steps": [
+        {"name": "flaky", "retries": 2, "retry_delay": 0, "check": f"test -f {tmp_path}/done",
+         "apply": f"echo x >> {tries}; test $(wc -l < {tries}) -ge 3 && touch {tmp_path}/done"}]})
+    project = tmp_path / "project"
+    assert export(str(r), "-i", str(i), "-o", str(project)).returncode == 0
+    run = playbook(ansible, project, "site.yml")
+    assert run.rc == 0 and run.recap["h"]["changed"] == 1, run.output[-2000:]
+    assert tries.read_text() == "x\nx\nx\n"

@@ -387,7 +387,10 @@ def _step_block(exp: Export, step: str, mode: str) -> dict[str, Any]:
         if step in exp.retries:
             count, delay = exp.retries[step]
             # fleetcuda backs off exponentially; Ansible waits the same delay each time.
-            apply.update({"retries": count, "delay": max(1, int(delay)), "until": "fc_apply.rc == 0"})
+            # An apply that ran out of time (timeout's 124, or 137 after its kill) is never sent again, as in
+            # fleetcuda (it may be half done): `until` stops there, and the task fails on its exit status.
+            apply.update({"retries": count, "delay": max(1, int(delay)),
+                          "until": "fc_apply.rc == 0 or fc_apply.rc in [124, 137]"})
         after = _cmd_task(f"{step}: verify", "after", step, secret=secret)
         after.update({"when": "fc_apply is not skipped", "changed_when": False, "check_mode": False})
         tasks += [check, assertion, would, apply, after]
