@@ -422,3 +422,19 @@ def test_redteam_export_reexport_keeps_the_users_vaulted_secrets(tmp_path: Path)
     (out / "secrets.yml").write_text("$ANSIBLE_VAULT;1.1;AES256\n6162\n")
     done = export(str(r), "-i", str(i), "-o", str(out))
     assert (out / "secrets.yml").exists() or done.returncode == 2, done.stderr
+
+
+@pytest.mark.parametrize("inventory, recipe_env, says", [
+    ("hosts:\n  j:\n    address: 127.0.0.1\n  pve:\n    address: 127.0.0.2\n    jump: j\n"
+     "    containers:\n      200: {name: c}\n", {}, "jump"),
+    ("hosts:\n  pve:\n    address: 127.0.0.1\n    pct: /opt/pct\n    containers:\n      200: {name: c}\n", {},
+     "/opt/pct"),
+    (LOCAL, {"HF_TOKEN": "hf_literal_value_123"}, "secrets:"),
+])
+def test_redteam_export_held_what_cannot_be_carried_is_refused_with_exit_2(tmp_path: Path, inventory: str,
+                                                                           recipe_env: dict, says: str) -> None:
+    r, i = _files(tmp_path, {"name": "r", "env": recipe_env,
+                             "steps": [{"name": "s", "check": "false", "apply": "true"}]}, inventory)
+    done = export(str(r), "-i", str(i), "-o", str(tmp_path / "out"))
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "hf_literal" not in done.stderr and not (tmp_path / "out").exists()
