@@ -438,3 +438,15 @@ def test_redteam_export_held_what_cannot_be_carried_is_refused_with_exit_2(tmp_p
     done = export(str(r), "-i", str(i), "-o", str(tmp_path / "out"))
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert "hf_literal" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_redteam_export_held_a_token_a_step_kind_puts_in_a_url_stays_off_the_files(tmp_path: Path) -> None:
+    """pip_install's index_url with `{{ hf_token }}` in it: exported (no false refusal from the URL check),
+    the token only ever on stdin."""
+    r, i = _files(tmp_path, {"name": "r", "vars": {"hf_token": "x"}, "steps": [
+        {"name": "deps", "kind": "pip_install", "packages": ["numpy"],
+         "index_url": "https://__token__:{{ hf_token }}@mirror.example/simple"}]})
+    out = tmp_path / "out"
+    done = export(str(r), "-i", str(i), "--var", "hf_token=SeCrEtVaLuE99", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "SeCrEtVaLuE99" not in _all_text(out) and "fleetcuda_secret_hf_token" in (out / "site.yml").read_text()
