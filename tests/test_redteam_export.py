@@ -450,3 +450,32 @@ def test_redteam_export_held_a_token_a_step_kind_puts_in_a_url_stays_off_the_fil
     done = export(str(r), "-i", str(i), "--var", "hf_token=SeCrEtVaLuE99", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "SeCrEtVaLuE99" not in _all_text(out) and "fleetcuda_secret_hf_token" in (out / "site.yml").read_text()
+
+
+def test_redteam_export_held_pct_target_argv_is_the_dry_run_line_less_ssh_and_pct(tmp_path: Path) -> None:
+    """For a container, the exported argv is the dry run's `line` less what proxmox_pct_remote puts in front
+    (ssh ... sudo -n -- pct exec VMID --)."""
+    r, i = _files(tmp_path, {"name": "r", "vars": {"v": "a b'c"},
+                             "steps": [{"name": "s", "check": "test -f /x/{{ v }}", "apply": "touch /x/{{ v }}"}]},
+                  "hosts:\n  pve:\n    address: 127.0.0.1\n    user: ops\n    sudo: true\n"
+                  "    containers:\n      200: {name: c}\n")
+    dry = _dry_run(r, i)
+    out = tmp_path / "out"
+    assert export(str(r), "-i", str(i), "-o", str(out)).returncode == 0
+    steps = yaml.load((out / "host_vars" / "pve-200.yml").read_text(), Loader=_UnsafeLoader)["fleetcuda_steps"]
+    for phase, script in dry["targets"][0]["steps"][0]["scripts"].items():
+        argv = steps["s"][{"verify": "after"}.get(phase, phase)]["argv"]
+        assert argv[argv.index("-c") + 1] == script["script"]
+        # The line as bash reads it (its `$'...'` quoting), then what ssh hands the host's shell, read the same way.
+        remote = _bash_words(script["line"], "ssh")[-1]
+        inner = _bash_words(remote, "sudo")
+        assert inner[:5] == ["-n", "--", "/usr/sbin/pct", "exec", "200"], inner[:8]
+        start = inner.index("--", inner.index("exec")) + 1
+        assert [a.split("@")[0] for a in inner[start:]] == [a.split("@")[0] for a in argv], phase
+
+
+def _bash_words(line: str, command: str) -> list[str]:
+    """The words bash passes to `command` when it runs `line`."""
+    program = f"{command}() {{ printf '%s\\0' \"$@\"; }}\n{line}"
+    done = subprocess.run(["/bin/bash", "--noprofile", "--norc", "-c", program], capture_output=True, check=True)
+    return done.stdout.decode().split("\0")[:-1]
