@@ -51,13 +51,14 @@ class PlaybookRun:
     recap: dict[str, dict[str, int]]  # host -> ok, changed, unreachable, failed
 
 
-def playbook(binary: Path, project: Path, *args: str, home: Path | None = None, timeout: float = 600) -> PlaybookRun:
+def playbook(binary: Path, project: Path, *args: str, home: Path | None = None, timeout: float = 600,
+             extra_env: dict[str, str] | None = None) -> PlaybookRun:
     """ansible-playbook in the exported project, with a clean environment (HOME's known_hosts: the export's)."""
     home = home or project / "home"
     (home / ".ssh").mkdir(parents=True, exist_ok=True)
     (home / ".ssh" / "known_hosts").write_text((project / "known_hosts").read_text())
     env = {"PATH": f"{binary.parent}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
-           "LC_ALL": "C.UTF-8", "ANSIBLE_NOCOLOR": "1"}
+           "LC_ALL": "C.UTF-8", "ANSIBLE_NOCOLOR": "1", **(extra_env or {})}
     proc = subprocess.run([str(binary), "-i", "inventory.yml", *args], capture_output=True, text=True, cwd=project,
                           env=env, timeout=timeout)
     out = proc.stdout + proc.stderr

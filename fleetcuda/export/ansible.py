@@ -14,8 +14,11 @@ a prompted (or vaulted, or AWX-supplied) variable. No secret value is ever in th
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import secrets as pyrandom
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,8 @@ from fleetcuda.plan.command import BuiltCommand, HopChain, host_argv
 from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import PlannedStep, Secrets, base_values, make_plan, pending_facts
 from fleetcuda.plan.recipe import Recipe
+from fleetcuda.plan.templating import _SUBSCRIPT_COMMAND, FILTERS
+from fleetcuda.redact import URL_CREDENTIALS
 
 MARKER = ".fleetcuda-export"
 # ansible 12.3.0 bundles ansible-core 2.19 and community.proxmox 1.4.0, the version this export was tested with.
@@ -137,8 +142,18 @@ class _Placeholders:
     """A random stand-in per secret variable: the planner routes it wherever the secret would go."""
 
     def __init__(self, names: list[str]):
-        token = pyrandom.token_hex(8)
-        self.by_value = {f"fcsecret{i}x{token}": name for i, name in enumerate(names)}
+        token, dotted = pyrandom.token_hex(8), pyrandom.token_hex(4)
+        # With a `.` in it, so that `{{ secret | dashed }}` (nodot, major) is told apart from the secret: each
+        # form the planner can make of a placeholder maps to the Jinja expression making it of the secret.
+        self.planned = {f"fcsecret{i}x{token}.{dotted}": name for i, name in enumerate(names)}
+        self.by_value: dict[str, str] = {}
+        for placeholder, name in self.planned.items():
+            var = SECRET_PREFIX + name
+            forms = {placeholder: var, **{f(placeholder): expr.format(var) for f, expr in (
+                (FILTERS["dashed"], "({} | replace('.', '-'))"), (FILTERS["nodot"], "({} | replace('.', ''))"),
+                (FILTERS["major"], "({}.split('.') | first)"))}}
+            assert set(FILTERS) == {"dashed", "nodot", "major"} and len(forms) == 4
+            self.by_value.update(forms)
 
     def stdin_expression(self, stdin: str, where: str, ref: str) -> tuple[str, UnsafeList]:
         """`stdin` with each placeholder as its prompted variable, as one Jinja expression, and the literal
@@ -156,10 +171,10 @@ class _Placeholders:
             if not hits:
                 literal(rest)
                 break
-            at, placeholder = min(hits)
+            at, placeholder = min(hits, key=lambda h: (h[0], -len(h[1])))  # the longest form where it starts
             if at:
                 literal(rest[:at])
-            parts.append(SECRET_PREFIX + self.by_value[placeholder])
+            parts.append(self.by_value[placeholder])
             rest = rest[at + len(placeholder):]
         for piece in stdin.split("\0")[:-1]:
             # The frame nonce goes first on the stdin of a script that prints frames: fixed and public here (the
@@ -203,7 +218,7 @@ def _connection(target: Target) -> dict[str, Any]:
                             "ansible_host_key_checking": True,
                             "ansible_python_interpreter": "/usr/bin/python3"}
     if hop.identity_file:
-        conn["ansible_private_key_file"] = hop.identity_file
+        conn["ansible_private_key_file"] = _local_path(hop.identity_file)
     if target.container is not None:
         assert chain.pct is not None
         if chain.pct.pct != "/usr/sbin/pct":
@@ -212,14 +227,27 @@ def _connection(target: Target) -> dict[str, Any]:
         conn["ansible_connection"] = "community.proxmox.proxmox_pct_remote"
         conn["proxmox_vmid"] = target.container.vmid
         # The plugin puts its become method before pct for any user not named root; `-n`: never a password.
-        if chain.pct.sudo or hop.user != "root":
+        # A user that is root under another name (`sudo: false`) runs pct as fleetcuda does: `env` changes nothing.
+        if chain.pct.sudo:
             conn["proxmox_become_method"] = "sudo -n"
+        elif hop.user != "root":
+            conn["proxmox_become_method"] = "/usr/bin/env"
     else:
         conn["ansible_connection"] = "ssh"
-        conn["ansible_ssh_common_args"] = "-o BatchMode=yes -o StrictHostKeyChecking=yes -o UpdateHostKeys=no"
+        args = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "UpdateHostKeys=no"]
         if hop.known_hosts:
-            conn["ansible_ssh_common_args"] += f" -o UserKnownHostsFile={hop.known_hosts}"
+            # Ansible splits these args like a shell line, then OpenSSH splits the value on spaces: quoted for
+            # both, as fleetcuda's ssh_argv does (a path `kh -F evil.cfg` gave ssh a config file).
+            kh = _local_path(hop.known_hosts).replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+            args += ["-o", f'UserKnownHostsFile="{kh}"']
+        conn["ansible_ssh_common_args"] = shlex.join(args)
     return conn
+
+
+def _local_path(path: str) -> str:
+    """A path on the control machine as the playbook, run in the export's directory, must name it: fleetcuda
+    reads a relative one from where it runs (the export's working directory)."""
+    return path if path.startswith("~") else os.path.abspath(path)
 
 
 def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, str]) -> Export:
@@ -244,9 +272,16 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
                              f"what a target reads) or set it in the inventory")
         names = sorted(n for n in Secrets(recipe, values).names if n in values)
         secret_names.update(names)
+        for n, spec in enumerate(recipe.steps):
+            # `when:` is decided at export time; a secret's value is known only when the playbook runs.
+            read = re.match(r"\s*!?\s*([A-Za-z_][A-Za-z0-9_]*)", spec.when or "")
+            if read and read[1] in names:
+                raise InputError("export", None, f"steps[{n}] ({spec.name}) when",
+                                 f"reads the secret variable {read[1]}, which the playbook is given only when it "
+                                 "runs: use a non-secret variable for `when:` (e.g. --var hf_login=1)")
         placeholders = _Placeholders(names)
         planned_values = dict(values)
-        for placeholder, var in placeholders.by_value.items():
+        for placeholder, var in placeholders.planned.items():
             planned_values[var] = placeholder
         plan = make_plan(recipe, target, planned_values, None, run_id=RUN_ID, nonce=EXPORT_NONCE)
         steps: dict[str, dict[str, Any]] = {}
@@ -255,9 +290,33 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
                 continue
             steps[step.name] = _step_commands(exp, target, step, placeholders)
         public = {k: v for k, v in values.items() if k not in names}
+        _refuse_clear_secrets(target, Secrets(recipe, values), public, steps)
         hosts.append(HostExport(name, target, _connection(target), steps, public))
     exp.secret_names = sorted(secret_names)
     return exp
+
+
+def _url_credentials(text: str) -> bool:
+    """A `scheme://user:password@` in clear; a password that is a shell variable (`${fc_token}`, read from
+    stdin) is not one."""
+    return any(not m["pw"].startswith("$") for m in URL_CREDENTIALS.finditer(text))
+
+
+def _refuse_clear_secrets(target: Target, real: Secrets, public: Mapping[str, str],
+                          steps: Mapping[str, Mapping[str, Any]]) -> None:
+    """What fleetcuda treats as secret (a value holding a secret's value, credentials in a URL) would be in
+    clear in the files: the planner was given placeholders, so it no longer sees such a value as secret."""
+    pieces = real.pieces()
+    fix = ("would be in clear in the exported files: put the secret in a variable listed under the recipe's "
+           "`secrets:` and refer to it, rather than repeating its value or writing it in a URL")
+    for k, v in public.items():
+        if any(p in v for p in pieces) or _url_credentials(v):
+            raise InputError("export", None, f"{target.id} variable {k}", fix)
+    for step, commands in steps.items():
+        for key, command in commands.items():
+            words = [*command["argv"], *command.get("stdin_text", [])]
+            if any(p in w for w in words for p in pieces) or any(_url_credentials(w) for w in words):
+                raise InputError("export", None, f"{target.id} step {step} ({key})", fix)
 
 
 def _step_commands(exp: Export, target: Target, step: PlannedStep, placeholders: _Placeholders) -> dict[str, Any]:
@@ -331,7 +390,10 @@ def _step_block(exp: Export, step: str, mode: str) -> dict[str, Any]:
         if step in exp.retries:
             count, delay = exp.retries[step]
             # fleetcuda backs off exponentially; Ansible waits the same delay each time.
-            apply.update({"retries": count, "delay": max(1, int(delay)), "until": "fc_apply.rc == 0"})
+            # An apply that ran out of time (timeout's 124, or 137 after its kill) is never sent again, as in
+            # fleetcuda (it may be half done): `until` stops there, and the task fails on its exit status.
+            apply.update({"retries": count, "delay": max(1, int(delay)),
+                          "until": "fc_apply.rc == 0 or fc_apply.rc in [124, 137]"})
         after = _cmd_task(f"{step}: verify", "after", step, secret=secret)
         after.update({"when": "fc_apply is not skipped", "changed_when": False, "check_mode": False})
         tasks += [check, assertion, would, apply, after]
@@ -361,6 +423,20 @@ def _play(exp: Export, mode: str) -> list[dict[str, Any]]:
         play["vars_prompt"] = [{"name": SECRET_PREFIX + n, "prompt": f"{n} (secret)", "private": True,
                                 "unsafe": True} for n in exp.secret_names]
     play["tasks"] = [_step_block(exp, step, mode) for step in exp.step_names]
+    if exp.secret_names:
+        # fleetcuda refuses such a value wherever it would go (templating.check_value); a secret is known here
+        # only at run time. The condition names the variables, never their values.
+        # And a NUL, which fleetcuda refuses in any value: on stdin it would end the secret early (`read -d ''`)
+        # and hand the rest to the next variable read there.
+        play["vars"] = {"fleetcuda_refused_value": "(?s)" + _SUBSCRIPT_COMMAND.pattern + r"|\x00"}
+        play["tasks"].insert(0, {
+            "name": "secrets: none that bash would run as a subscript",
+            "ansible.builtin.assert": {
+                "that": [f"{SECRET_PREFIX}{n} is not search(fleetcuda_refused_value)" for n in exp.secret_names],
+                "fail_msg": "a secret holds a NUL or a command inside [ ]: refused, as fleetcuda refuses it (bash "
+                            "runs the command wherever it reads the value as a number or a variable's name)",
+                "quiet": True},
+        })
     if mode == "verify":
         play["tasks"].insert(0, {"name": "no drift seen yet", "ansible.builtin.set_fact": {"fc_drifted": []}})
         play["tasks"].append({"name": "drifted steps", "when": "fc_drifted | length > 0",
@@ -444,6 +520,8 @@ stdin (never its argv), with `no_log` on every task that carries one:
 
 Non-interactively (AWX: a survey or a credential's extra vars; or a vaulted file):
 `ansible-vault create secrets.yml` then `ansible-playbook -i inventory.yml site.yml -e @secrets.yml --ask-vault-pass`.
+Tag each value there `!unsafe` (`fleetcuda_secret_hf_token: !unsafe 'the value'`): Ansible templates a value
+from a vars file, so a secret holding `{{{{` or `{{%` would otherwise be evaluated, not sent as it is.
 
 ## Not carried over
 
@@ -464,6 +542,8 @@ def render_project(recipe: Recipe, inventory: Inventory, targets: list[Target], 
                    recipe_path: str, inventory_path: str) -> dict[str, str]:
     """{relative path: file text} of the exported project."""
     exp = build_export(recipe, targets, overrides)
+    # Paths as JSON strings (ASCII, escaped): a newline in a file name must not end the comment and start YAML.
+    recipe_path, inventory_path = json.dumps(str(recipe_path)), json.dumps(str(inventory_path))
     head = f"# Written by fleetcuda {__version__} export ansible from {recipe_path} and {inventory_path}.\n"
     files = {
         "ansible.cfg": ANSIBLE_CFG,
