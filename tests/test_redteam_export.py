@@ -410,8 +410,6 @@ def test_redteam_export_held_a_failing_apply_is_retried(tmp_path: Path, ansible:
     assert tries.read_text() == "x\nx\nx\n"
 
 
-@pytest.mark.xfail(strict=True, reason="red team export: a re-export deletes the vaulted secrets.yml that the exported "
-                                       "README tells the user to create in the project")
 def test_redteam_export_reexport_keeps_the_users_vaulted_secrets(tmp_path: Path) -> None:
     """The exported README: `ansible-vault create secrets.yml` then `ansible-playbook ... -e @secrets.yml`, in
     the project, and "re-export after changing the recipe or inventory". The re-export empties the project."""
@@ -420,8 +418,18 @@ def test_redteam_export_reexport_keeps_the_users_vaulted_secrets(tmp_path: Path)
     assert export(str(r), "-i", str(i), "-o", str(out)).returncode == 0
     assert "ansible-vault create secrets.yml" in (out / "README.md").read_text()
     (out / "secrets.yml").write_text("$ANSIBLE_VAULT;1.1;AES256\n6162\n")
+    (out / "host_vars" / "mine.yml").write_text("x: 1\n")
     done = export(str(r), "-i", str(i), "-o", str(out))
-    assert (out / "secrets.yml").exists() or done.returncode == 2, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert (out / "secrets.yml").read_text() == "$ANSIBLE_VAULT;1.1;AES256\n6162\n"  # the user's, kept
+    assert (out / "host_vars" / "mine.yml").exists()
+    # A file the user put where the export writes one is not overwritten: refused, with what to do.
+    (out / "site.yml").unlink()
+    (out / "site.yml").write_text("# mine\n")
+    (out / ".fleetcuda-export").write_text((out / ".fleetcuda-export").read_text().replace("site.yml\n", ""))
+    clash = export(str(r), "-i", str(i), "-o", str(out))
+    assert clash.returncode == 2 and "site.yml" in clash.stderr and "move it away" in clash.stderr, clash.stderr
+    assert (out / "site.yml").read_text() == "# mine\n"
 
 
 @pytest.mark.parametrize("inventory, recipe_env, says", [
