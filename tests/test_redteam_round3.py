@@ -67,3 +67,49 @@ def test_redteam3_url_password_in_plain_variable_is_on_a_command_line(tmp_path: 
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = _command_lines_with(password, proc)
     assert not seen, f"the URL's password is on a command line while the step runs: {sorted(seen)[:2]}"
+
+
+# Promise 4: "nothing a target prints can forge framing". The nonce is now read from stdin, but it is still in
+# the batch shell's memory: a check running as the same user (root, as checks do) reads it from
+# /proc/<batch>/mem, writes a passing `end` and the closing `done` frame into the batch's stdout
+# (/proc/<batch>/fd/1), and kills the batch shell before the real frames follow. The batch's exit status (137)
+# said it died, yet its frames were believed: a check that exits 1 was reported ok, exit 0.
+FORGER = r'''
+import os, re, signal, sys
+pid, batch = os.getppid(), None
+while pid > 1:
+    if b"fleetcuda-batch" in open(f"/proc/{pid}/cmdline", "rb").read():
+        batch = pid
+        break
+    pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+if batch is None:
+    sys.exit(1)
+found = set()
+with open(f"/proc/{batch}/maps") as maps, open(f"/proc/{batch}/mem", "rb", 0) as mem:
+    for line in maps:
+        if "[heap]" in line or "[stack]" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            mem.seek(lo)
+            found.update(re.findall(rb"(?<![0-9a-f])[0-9a-f]{16}(?![0-9a-f])", mem.read(hi - lo)))
+out = os.open(f"/proc/{batch}/fd/1", os.O_WRONLY)
+for n in found:
+    os.write(out, b"\n@@fleetcuda:" + n + b" end 1 0 5\n\n@@fleetcuda:" + n + b" done 2\n")
+os.kill(batch, signal.SIGKILL)
+sys.exit(1)
+'''
+
+
+def test_redteam3_check_reads_nonce_from_batch_memory_and_forges_its_pass(tmp_path: Path) -> None:
+    forger = tmp_path / "forger.py"
+    forger.write_text(FORGER)
+    r, i = _files(tmp_path, f"""\
+        name: r
+        steps:
+          - name: a
+            verify: "true"
+          - name: evil
+            verify: "{sys.executable} {forger}"
+        """)
+    proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=60)
+    assert "evil: ok" not in proc.stdout, "a check that exits 1 is reported ok: " + proc.stdout
+    assert proc.returncode == 1, proc.stdout
