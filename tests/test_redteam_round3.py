@@ -113,3 +113,146 @@ def test_redteam3_check_reads_nonce_from_batch_memory_and_forges_its_pass(tmp_pa
     proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=60)
     assert "evil: ok" not in proc.stdout, "a check that exits 1 is reported ok: " + proc.stdout
     assert proc.returncode == 1, proc.stdout
+
+
+# Promise 1: `--format shell` prints what apply sends. Each command apply runs on a local host is recorded (its
+# argv, as the connector gets it) and looked for among the dry-run's pasteable lines, read back by bash; the
+# run id, the frame nonce and the lock owner's start time are fixed or normalized.
+def _argvs_of_shell_lines(text: str) -> list[list[str]]:
+    out = []
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            got = subprocess.run(["bash", "-c", "printf '%s\\0' " + line], capture_output=True, check=True).stdout
+            out.append(got.decode("utf-8", "surrogateescape").split("\0")[:-1])
+    return out
+
+
+def _normal(argv: list[str]) -> list[str]:
+    import re
+    return [re.sub(r"since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", "since T", a) for a in argv]
+
+
+def _sent_and_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str, *args: str,
+                    inventory: str = LOCAL) -> tuple[list[list[str]], list[list[str]]]:
+    import io
+    import secrets
+
+    from fleetcuda.cli import Environment, main
+    from fleetcuda.connectors import base
+
+    r, i = _files(tmp_path, recipe, inventory)
+    monkeypatch.setattr(secrets, "token_hex", lambda n=8: "ab" * n)
+    monkeypatch.setenv("FLEETCUDA_CACHE_DIR", str(tmp_path / "cache"))
+    sent: list[list[str]] = []
+    real = base.LocalTransport.run
+
+    def record(self, cmd, **kw):  # type: ignore[no-untyped-def]
+        sent.append(list(cmd.argv))
+        return real(self, cmd, **kw)
+
+    monkeypatch.setattr(base.LocalTransport, "run", record)
+
+    def cli(*argv: str) -> str:
+        out, err = io.StringIO(), io.StringIO()
+        env = Environment.with_streams(out, err, io.StringIO(), environ={"PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+                                       home=tmp_path, cwd=tmp_path, state_dir=tmp_path / "state")
+        code = main(list(argv), env)
+        assert code in (0, 1), out.getvalue() + err.getvalue()
+        return out.getvalue()
+
+    shown = _argvs_of_shell_lines(cli("apply", str(r), "-i", str(i), "--dry-run", "--format", "shell", *args))
+    sent.clear()
+    cli("apply", str(r), "-i", str(i), "--plain", *args)
+    return [_normal(a) for a in sent], [_normal(a) for a in shown]
+
+
+def test_redteam3_shell_format_lines_are_what_apply_sends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = tmp_path / "made"
+    sent, shown = _sent_and_shown(tmp_path, monkeypatch, f"""\
+        name: r
+        secrets: [word]
+        vars:
+          odd: "it's a $(x) !x \\\\ caf\\u00e9"
+          word: "s3cret-word"
+          db_password: "pw-123456"
+        env:
+          ODD: "{{{{ odd }}}}"
+        steps:
+          - name: ok
+            check: "true"
+          - name: touch
+            env:
+              PW: "{{{{ db_password }}}}"
+            check: test -e {made}
+            apply: "printf '%s' {{{{ odd }}}} {{{{ word }}}} > {made}"
+            verify: test -e {made}
+        """)
+    assert sent
+    missing = [a for a in sent if a not in shown]
+    assert not missing, f"apply sent {len(missing)} command(s) that --format shell does not show: {missing[:1]}"
+
+
+# Promise 3: 130 interrupted, the lock released "also after Ctrl-C", the remote step stopped. SIGHUP (the
+# terminal or the SSH session that runs fleetcuda goes away) killed fleetcuda outright: exit 129, the target's
+# lock left behind and the step's processes still running, so a next run (which takes over a dead run's
+# lock) applies alongside them.
+def test_redteam3_sighup_leaves_lock_and_step_running(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    marker = f"fc-hup-{os.getpid()}"
+    r, i = _files(tmp_path, f"""\
+        name: r
+        steps:
+          - name: long
+            check: "false"
+            apply: "sleep 20; : {marker}"
+        """)
+    env = {"PATH": "/usr/bin:/bin", "FLEETCUDA_STATE_DIR": str(tmp_path / "s"), "HOME": str(tmp_path),
+           "FLEETCUDA_CACHE_DIR": str(tmp_path / "c")}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "apply", str(r), "-i", str(i), "--plain"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not _pids_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGHUP)
+    out, _ = proc.communicate(timeout=60)
+    time.sleep(0.5)
+    left = _pids_running(marker)
+    for pid in left:  # ours: the step this test started
+        os.kill(pid, signal.SIGKILL)
+    lock = Path("/run/lock/fleetcuda-apply")
+    held = lock.exists() and f"pid {proc.pid} " in (lock / "owner").read_text()
+    if held:
+        import shutil
+        shutil.rmtree(lock)
+    assert proc.returncode == 130, f"exit {proc.returncode}: {out}"
+    assert not held, "the target's lock is left behind"
+    assert not left, "the step goes on running after fleetcuda is gone"
+
+
+def _pids_running(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text.encode() in (d / "cmdline").read_bytes() and b"pytest" not in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+# Promise 1: every line of the human dry-run is 7-bit ASCII, none over 160 characters, and nothing a value holds
+# can fake its structure. The recipe's and the inventory's paths went into the first line raw: a long directory
+# made it longer than 160, and a file name's newline, escape sequence or non-ASCII reached the output as is.
+def test_redteam3_dry_run_header_path_is_raw(tmp_path: Path) -> None:
+    where = tmp_path / ("d" * 120) / "x\n  step 9/9 fake (shell)\n\x1b[2J\u00e9"
+    where.mkdir(parents=True)
+    r, i = _files(where, "name: r\nsteps:\n  - name: s\n    verify: \"true\"\n")
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", state=tmp_path / "s")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 160
+    assert proc.stdout.isascii() and "\x1b" not in proc.stdout
+    assert not any(line.startswith("  step 9/9") for line in lines), "a file name fakes a step header"
