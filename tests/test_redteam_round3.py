@@ -3,6 +3,7 @@ through the real CLI (local hosts, real bash)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -256,3 +257,16 @@ def test_redteam3_dry_run_header_path_is_raw(tmp_path: Path) -> None:
     assert max(len(line) for line in lines) <= 160
     assert proc.stdout.isascii() and "\x1b" not in proc.stdout
     assert not any(line.startswith("  step 9/9") for line in lines), "a file name fakes a step header"
+
+
+# Promise 2: bad input is refused naming file:line:field, never silently changed. YAML 1.1 reads `12:30` as 750
+# (base 60), `010` as 8 and `0x1F` as 31: an inventory variable written so reached the scripts as another value
+# (as `cuda_version: 12.10` once became 12.1, which yamlsrc already keeps as text).
+@pytest.mark.parametrize(("written", "meant"), [("12:30", "12:30"), ("010", "010"), ("0x1F", "0x1F")])
+def test_redteam3_yaml_integer_notation_changes_a_variable(written: str, meant: str, tmp_path: Path) -> None:
+    r, i = _files(tmp_path, "name: r\nvars:\n  x: unset\nsteps:\n  - name: s\n    verify: test {{ x }}\n",
+                  LOCAL + f"    vars:\n      x: {written}\n")
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--format", "json", state=tmp_path / "s")
+    assert proc.returncode == 0, proc.stderr
+    script = json.loads(proc.stdout)["targets"][0]["steps"][0]["scripts"]["verify"]["script"]
+    assert f"fc_x={meant}\n" in script, script
