@@ -270,3 +270,20 @@ def test_redteam3_yaml_integer_notation_changes_a_variable(written: str, meant: 
     assert proc.returncode == 0, proc.stderr
     script = json.loads(proc.stdout)["targets"][0]["steps"][0]["scripts"]["verify"]["script"]
     assert f"fc_x={meant}\n" in script, script
+
+
+# Promise 4: no terminal control sequences reach the terminal. The error boundary printed an error naming a
+# file (the recipe's path, with an escape sequence in a directory name) raw on stderr, and --plain's first line
+# printed that path raw on stdout.
+def test_redteam3_error_and_start_line_print_a_path_raw(tmp_path: Path) -> None:
+    where = tmp_path / "e\x1b]0;pwned\x07\x1b[2J"
+    where.mkdir()
+    bad, i = _files(where, "name: r\nsteps:\n  - name: s\n    timeout: x\n")
+    refused = run_fleetcuda("apply", str(bad), "-i", str(i), "--dry-run", state=tmp_path / "s")
+    assert refused.returncode == 2 and "steps[0].timeout" in refused.stderr
+    assert "\x1b" not in refused.stderr and "\x07" not in refused.stderr, refused.stderr
+    missing = run_fleetcuda("apply", str(where / "nope.yaml"), "-i", str(i), "--dry-run", state=tmp_path / "s")
+    assert missing.returncode == 2 and "\x1b" not in missing.stderr, missing.stderr
+    ok, _ = _files(where, "name: r\nsteps:\n  - name: s\n    verify: \"true\"\n")
+    ran = run_fleetcuda("verify", str(ok), "-i", str(i), "--plain", state=tmp_path / "s")
+    assert ran.returncode == 0 and "\x1b" not in ran.stdout + ran.stderr, ran.stdout
