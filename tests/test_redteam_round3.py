@@ -287,3 +287,20 @@ def test_redteam3_error_and_start_line_print_a_path_raw(tmp_path: Path) -> None:
     ok, _ = _files(where, "name: r\nsteps:\n  - name: s\n    verify: \"true\"\n")
     ran = run_fleetcuda("verify", str(ok), "-i", str(i), "--plain", state=tmp_path / "s")
     assert ran.returncode == 0 and "\x1b" not in ran.stdout + ran.stderr, ran.stdout
+
+
+# The same break seen from --format shell: a URL's password written in the recipe's script is shown as *** on
+# the pasteable line, and apply sends the password itself, on the command line: the line is not what it sends.
+@pytest.mark.xfail(strict=True, reason="red team 3: URL password on the command line")
+def test_redteam3_url_password_in_script_differs_from_shell_line(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    sent, shown = _sent_and_shown(tmp_path, monkeypatch, """\
+        name: r
+        steps:
+          - name: s
+            check: "false"
+            apply: "echo https://bob:hunter2pass-zz@mirror.example.invalid/simple >/dev/null"
+        """)
+    assert not [a for a in sent if "hunter2pass-zz" in " ".join(a)], "the password is on a command line"
+    missing = [a for a in sent if a not in shown]
+    assert not missing, f"apply sent {len(missing)} command(s) that --format shell does not show: {missing[:1]}"
