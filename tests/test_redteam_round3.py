@@ -304,3 +304,31 @@ def test_redteam3_url_password_in_script_differs_from_shell_line(tmp_path: Path,
     assert not [a for a in sent if "hunter2pass-zz" in " ".join(a)], "the password is on a command line"
     missing = [a for a in sent if a not in shown]
     assert not missing, f"apply sent {len(missing)} command(s) that --format shell does not show: {missing[:1]}"
+
+
+# Promise 1: `--format shell` is lines to paste into bash or zsh. Its `#` lines are comments in bash, but an
+# interactive zsh (default options: no INTERACTIVE_COMMENTS) runs them as commands: the header's `; apply sends
+# exactly these` runs `apply`, and a recipe's `when:` text shown in a skipped step's header runs its `$(...)`.
+@pytest.mark.xfail(strict=True, reason="red team 3: shell format's # lines run in interactive zsh")
+def test_redteam3_shell_format_comment_runs_a_command_in_interactive_zsh(tmp_path: Path) -> None:
+    import shutil
+    if shutil.which("zsh") is None:
+        pytest.skip("needs zsh")
+    pwned = tmp_path / "pwned"
+    r, i = _files(tmp_path, f"""\
+        name: r
+        vars:
+          x: a
+        steps:
+          - name: s
+            when: "x == $(touch {pwned})"
+            verify: "true"
+          - name: t
+            verify: "true"
+        """)
+    proc = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--format", "shell", state=tmp_path / "s")
+    assert proc.returncode == 0, proc.stderr
+    comments = "".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith("#"))
+    subprocess.run(["zsh", "-f", "-i"], input=comments, capture_output=True, text=True, timeout=30,
+                   env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TERM": "dumb"}, cwd=tmp_path)
+    assert not pwned.exists(), "pasting --format shell's comment lines into zsh ran the recipe's $(...)"
