@@ -21,6 +21,7 @@ from fleetcuda import __version__
 from fleetcuda.cli import apply, cache, doctor, export, history, schedule, trust, verify, wheelhouse
 from fleetcuda.cli.environment import Environment
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
+from fleetcuda.redact import printable
 from fleetcuda.results import ExitStatus
 
 __all__ = ["Environment", "main"]
@@ -75,16 +76,20 @@ def build_parser(env: Environment) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
     """The one error boundary: every exception of every command becomes an exit status here."""
     env = env if env is not None else Environment.from_process()
+
+    def say(text: str) -> None:  # a file name, a value or a target's words: never terminal control sequences
+        env.say(printable(text))
+
     try:
         return int(_main(argv, env))
     except InputError as exc:  # bad inventory, recipe or argument, from any command: exit 2
-        env.say(f"fleetcuda: {exc}")
+        say(f"fleetcuda: {exc}")
         return ExitStatus.INPUT
     except (UnreachableError, HostKeyError) as exc:
-        env.say(f"fleetcuda: {exc}")
+        say(f"fleetcuda: {exc}")
         return ExitStatus.UNREACHABLE
     except FleetcudaError as exc:
-        env.say(f"fleetcuda: {exc}")
+        say(f"fleetcuda: {exc}")
         return ExitStatus.FAILED
     except BrokenPipeError:  # `fleetcuda ... --dry-run | head`: the reader left; not an error of ours
         _silence(env.stdout)
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
             import traceback  # only for a bug's traceback: not a cost of every start
 
             traceback.print_exc(file=env.stderr)
-        env.say(f"fleetcuda: internal error (a bug; FLEETCUDA_DEBUG=1 shows where): {type(exc).__name__}: {exc}")
+        say(f"fleetcuda: internal error (a bug; FLEETCUDA_DEBUG=1 shows where): {type(exc).__name__}: {exc}")
         return ExitStatus.INTERNAL
 
 

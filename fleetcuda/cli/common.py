@@ -166,6 +166,8 @@ def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: lis
     # Also when started with SIGINT ignored (a background job of a script): a run that is told to stop must
     # stop its remote steps and release its locks, never keep going, nor die without cleaning up.
     previous_int = signal.signal(signal.SIGINT, on_term)
+    # And when the terminal goes away (SIGHUP): by default Python just dies, leaving the lock and the step.
+    previous_hup = signal.signal(signal.SIGHUP, on_term)
     started = env.clock()
     try:
         reporter.start(mode, recipe.path, [t.id for t in targets])
@@ -178,6 +180,7 @@ def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: lis
         # After an interruption the engine ignores further signals until the run is recorded: now it is.
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGHUP, previous_hup)
 
 
 def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode: str, args: argparse.Namespace,

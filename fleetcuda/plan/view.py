@@ -484,7 +484,9 @@ def _human(recipe: Recipe, inventory: Inventory, views: list[TargetView], progra
            run_id: str) -> str:
     forms = _program_forms(programs)
     used: list[str] = []
-    out = [f"# fleetcuda apply {recipe.path} --dry-run: {len(views)} target(s) from {inventory.path}",
+    # The paths are the user's (any bytes a file name may hold, any length): escaped, and wrapped.
+    out = [*wrap("# ", ascii_line(f"fleetcuda apply {recipe.path} --dry-run: {len(views)} target(s) from "
+                                  f"{inventory.path}"), "#   "),
            "# Nothing was sent. Below, per target, every round trip apply makes, in order, with the raw script",
            f"# each runs. Labels end in @{run_id}, a new run id each run; secrets are read from stdin, shown ***.",
            "# --format shell prints command lines to paste; --format json the same plan as data."]

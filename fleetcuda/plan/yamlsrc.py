@@ -268,6 +268,10 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
     value = _scalar(loader, node)
     _check_text(value, loc, "the value")
     # A version such as `cuda_version: 12.10` must not become the float 12.1: keep the text.
+    # So must a YAML 1.1 integer in another notation (`12:30` is 750 in base 60, `010` is 8, `0x1F` 31): a
+    # variable keeps what was written; an integer field reads that text, or says it is not a number.
+    if isinstance(value, int) and not isinstance(value, bool) and node.value.lstrip("+").replace("_", "") != str(value):
+        return node.value
     return node.value if isinstance(value, float) else value
 
 

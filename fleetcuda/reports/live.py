@@ -53,7 +53,8 @@ class PlainReporter(Reporter):
             self.stream.flush()
 
     def start(self, mode: str, recipe: str, targets: list[str]) -> None:
-        self._line(f"{mode} {recipe} on {len(targets)} target(s): {', '.join(targets)}")
+        from fleetcuda.redact import printable  # the recipe's path is the user's: any bytes a file name holds
+        self._line(printable(f"{mode} {recipe} on {len(targets)} target(s): {', '.join(targets)}"))
 
     def step_started(self, target: str, step: str, phase: str) -> None:
         self._line(f"{target} {step}: {phase}")

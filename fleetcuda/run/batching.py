@@ -64,7 +64,9 @@ def batched_checks(ctx: RunContext, locks: LockKeeper, plan: Plan, channel: Targ
         if locks.took_over_dead_lock(plan, channel, res):
             res = channel.exec("all-steps", "check", cmd, None)
         locks.settle(plan, res)
-    parsed = parse_batch(res.output, plan.nonce)
+    # The batch shell always ends with exit 0 after its `done` frame: any other status (a check killed it,
+    # after writing frames it read the nonce for into its stdout) means its frames are not believed.
+    parsed = parse_batch(res.output, plan.nonce) if res.rc == 0 else {}
     if not parsed:
         maybe_unreachable(res, plan.target)
         return {}

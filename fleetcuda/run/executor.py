@@ -31,10 +31,11 @@ WORKERS_GRACE_S = 30
 
 
 def ignore_stop_signals() -> None:
-    """SIGINT and SIGTERM ignored (only the main thread may set handlers; elsewhere there are none to set)."""
+    """SIGINT, SIGTERM and SIGHUP ignored (only the main thread may set handlers; elsewhere there are none to set)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def interleave_hosts(targets: list[Target]) -> list[Target]:
