@@ -46,7 +46,6 @@ def _command_lines_with(text: str, proc: subprocess.Popen[str], seconds: float =
 # `***`, and never travels on a command line: the scripts read it from stdin". A mirror URL with a password in
 # an ordinary variable is shown as *** by --dry-run, but apply puts the password on the command line of
 # `env -i ... bash -c` (and in the step's environment), so --format shell is not what apply sends either.
-@pytest.mark.xfail(strict=True, reason="red team 3: URL password on the command line")
 def test_redteam3_url_password_in_plain_variable_is_on_a_command_line(tmp_path: Path) -> None:
     password = "hunter2pass-" + "z" * 8
     r, i = _files(tmp_path, """\
@@ -291,7 +290,6 @@ def test_redteam3_error_and_start_line_print_a_path_raw(tmp_path: Path) -> None:
 
 # The same break seen from --format shell: a URL's password written in the recipe's script is shown as *** on
 # the pasteable line, and apply sends the password itself, on the command line: the line is not what it sends.
-@pytest.mark.xfail(strict=True, reason="red team 3: URL password on the command line")
 def test_redteam3_url_password_in_script_differs_from_shell_line(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     sent, shown = _sent_and_shown(tmp_path, monkeypatch, """\

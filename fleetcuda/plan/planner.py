@@ -23,7 +23,7 @@ from fleetcuda.plan.command import (
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.recipe import AUTO, Recipe, check_fact_value
 from fleetcuda.plan.templating import FILTERS, TemplateError, check_value, render, render_shell, scrub
-from fleetcuda.redact import MIN_SECRET, SECRET_NAME
+from fleetcuda.redact import MIN_SECRET, SECRET_NAME, URL_CREDENTIALS
 from fleetcuda.remote import framing
 from fleetcuda.run.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.steps import Scripts, StepContext, StepSpec
@@ -136,6 +136,9 @@ class Secrets:
         for k, v in [*recipe.env.items(), *((k, v) for st in recipe.steps for k, v in st.env.items())]:
             if SECRET_NAME.search(k) and isinstance(v, str) and len(v) >= MIN_SECRET and "{{" not in v:
                 self.values.add(v)  # a literal secret in an `env:`
+        for v in [*values.values(), *(v for k, v in recipe.env.items()),
+                  *(v for st in recipe.steps for v in st.env.values())]:
+            self.add_url_credentials(v)  # a password in a URL is a secret whatever its variable is named
         for value in list(self.values):  # what `{{ x | dashed }}` makes of a secret is one too
             self.values.update(f(value) for f in FILTERS.values() if len(f(value)) >= MIN_SECRET)
 
@@ -153,6 +156,11 @@ class Secrets:
             out.update(p for p in re.split(r"['\r\n]", value) if len(p) >= MIN_SECRET)
         return sorted(out, key=len, reverse=True)
 
+    def add_url_credentials(self, text: object) -> None:
+        if isinstance(text, str):
+            for m in URL_CREDENTIALS.finditer(text):
+                self.add(m["pw"])
+
     def add(self, value: str) -> None:
         if len(value) >= MIN_SECRET:
             self.values.add(value)
@@ -163,6 +171,7 @@ def invocation(script: str, env: Mapping[str, str], shell_vars: Mapping[str, str
     """An Invocation whose secret values (in the environment or in {{ }} variables) travel on stdin."""
     public_env, secret_env, public_vars, secret_vars = {}, {}, {}, {}
     # A secret a step kind put into the script's text (a token in an index URL): a variable read from stdin.
+    secrets.add_url_credentials(script)  # a password in a URL a step kind or the recipe wrote into the script
     script, spliced = scrub(script, secrets.pieces())
     secret_vars.update(spliced)
     for k, v in env.items():
