@@ -279,6 +279,10 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
                 raise InputError("export", None, f"steps[{n}] ({spec.name}) when",
                                  f"reads the secret variable {read[1]}, which the playbook is given only when it "
                                  "runs: use a non-secret variable for `when:` (e.g. --var hf_login=1)")
+        public = {k: v for k, v in values.items() if k not in names}
+        # Before planning: the planner would route such a value to stdin as a secret of its own, which the
+        # playbook could then only hold in clear; said here by the variable's name.
+        _refuse_clear_secrets(target, Secrets(recipe, values), public, {})
         placeholders = _Placeholders(names)
         planned_values = dict(values)
         for placeholder, var in placeholders.planned.items():
@@ -289,7 +293,6 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
             if step.skipped:
                 continue
             steps[step.name] = _step_commands(exp, target, step, placeholders)
-        public = {k: v for k, v in values.items() if k not in names}
         _refuse_clear_secrets(target, Secrets(recipe, values), public, steps)
         hosts.append(HostExport(name, target, _connection(target), steps, public))
     exp.secret_names = sorted(secret_names)
