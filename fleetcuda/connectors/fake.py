@@ -45,9 +45,13 @@ Place = int | None  # a container's vmid, or None for the host itself
 def framed(call: Call, kind: str, *fields: str) -> str:
     """A frame as fleetcuda's target-side programs print it (fleetcuda.remote.emit), with the nonce this call
     was sent on stdin; a dict field is written as emit_json writes it."""
-    assert call.cmd is not None, "only a command sent with its stdin carries a nonce"
     words = [json.dumps(f, sort_keys=True, separators=(",", ":")) if isinstance(f, dict) else f for f in fields]
-    return f"\n{framing.MARK}:{call.cmd.stdin.split(chr(0))[0]} {' '.join([kind, *words])}\n"
+    return f"\n{framing.MARK}:{_nonce_of(call)} {' '.join([kind, *words])}\n"
+
+
+def _nonce_of(call: Call) -> str:
+    assert call.cmd is not None, "only a command sent with its stdin carries a nonce"
+    return call.cmd.stdin.split("\0")[0]  # the nonce travels first on stdin (framing.nonce_vars)
 
 
 def ok(output: str = "") -> RunResult:
@@ -340,11 +344,6 @@ class FakeTransport(Transport):
 
     # -- fleetcuda's protocol ------------------------------------------------------------------
 
-    @staticmethod
-    def _nonce(call: Call) -> str:
-        assert call.cmd is not None
-        return call.cmd.stdin.split("\0")[0]  # the nonce travels first on stdin (framing.nonce_vars)
-
     def _lock_frames(self, script: str, mark: str) -> tuple[str, bool]:
         """The lock frames a script of run.locks prints, and whether it ended there (busy: exit 75)."""
         out = ""
@@ -359,11 +358,11 @@ class FakeTransport(Transport):
         return out, False
 
     def _lock_script(self, call: Call) -> RunResult:
-        out, busy = self._lock_frames(call.script, f"{framing.MARK}:{self._nonce(call)}")
+        out, busy = self._lock_frames(call.script, f"{framing.MARK}:{_nonce_of(call)}")
         return exit_with(75 if busy else 0, out)
 
     def _batch(self, call: Call) -> RunResult:
-        mark = f"{framing.MARK}:{self._nonce(call)}"
+        mark = f"{framing.MARK}:{_nonce_of(call)}"
         script = call.script
         # planner.batch_command: [the lock's acquire], the checks, [if all passed: the lock's release], done.
         release_at = script.find('if [ "$all_ok" = 1 ]')
@@ -390,7 +389,7 @@ class FakeTransport(Transport):
         return ok(out + f"\n{mark} done {len(probes)}\n")
 
     def _facts(self, call: Call) -> RunResult:
-        mark = f"{framing.MARK}:{self._nonce(call)}"
+        mark = f"{framing.MARK}:{_nonce_of(call)}"
         out = ""
         for name in re.findall(r" fact (\w+)\"", call.script):
             if name in self.facts:

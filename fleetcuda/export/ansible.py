@@ -270,7 +270,8 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
                              f"{', '.join(pending)} {'is' if len(pending) == 1 else 'are'} `auto` (read from the "
                              f"target at run time): pass --var {pending[0]}=VALUE (fleetcuda apply --check shows "
                              f"what a target reads) or set it in the inventory")
-        names = sorted(n for n in Secrets(recipe, values).names if n in values)
+        real = Secrets(recipe, values)  # what is secret with the real values (the plan below gets placeholders)
+        names = sorted(n for n in real.names if n in values)
         secret_names.update(names)
         for n, spec in enumerate(recipe.steps):
             # `when:` is decided at export time; a secret's value is known only when the playbook runs.
@@ -282,7 +283,7 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
         public = {k: v for k, v in values.items() if k not in names}
         # Before planning: the planner would route such a value to stdin as a secret of its own, which the
         # playbook could then only hold in clear; said here by the variable's name.
-        _refuse_clear_secrets(target, Secrets(recipe, values), public, {})
+        _refuse_clear_secrets(target, real, public, {})
         placeholders = _Placeholders(names)
         planned_values = dict(values)
         for placeholder, var in placeholders.planned.items():
@@ -293,7 +294,7 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
             if step.skipped:
                 continue
             steps[step.name] = _step_commands(exp, target, step, placeholders)
-        _refuse_clear_secrets(target, Secrets(recipe, values), public, steps)
+        _refuse_clear_secrets(target, real, public, steps)
         hosts.append(HostExport(name, target, _connection(target), steps, public))
     exp.secret_names = sorted(secret_names)
     return exp
