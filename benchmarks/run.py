@@ -11,9 +11,13 @@ tests/lab/labctl.py). For each size (HOSTSxCONTAINERS; 2x4 and 4x16 are labctl's
 1. brings the topology up, writes a fleetcuda inventory with inventories/lab.yaml's vars, and
    converges every container with `fleetcuda apply` (not timed), then checks `verify` passes;
 2. generates the contenders (under benchmarks/work/SIZE/, all readable and runnable by hand):
+   - floor-least: the least work that answers verify's questions: bash + OpenSSH, one ssh process per
+     host, one plain `bash -c` per container running the read-only checks' own scripts one after
+     another (each in a subshell with its own variables), all containers at once; no wrapper per
+     check, no framing, no lock, no report. The ratio that counts.
    - fleetcuda-verify: `fleetcuda verify RECIPE -i INV --plain`
    - fleetcuda-apply:  `fleetcuda apply RECIPE -i INV --plain` (the converged fleet: a no-op)
-   - floor-mux:  bash + OpenSSH, one ControlMaster connection per host, one session per container,
+   - floor-mux (and the two below: the control side only):  bash + OpenSSH, one ControlMaster connection per host, one session per container,
      each running the exact batched `pct exec` that fleetcuda sends (planner.batch_command), all
      containers at once; floor-mux-8: the same, at most 8 at once (fleetcuda's default --forks)
    - floor-1proc: bash + OpenSSH, one ssh process per host whose remote shell starts all of that
@@ -64,7 +68,7 @@ ANSIBLE_VENV = BENCH / ".venv-ansible"
 # plugin needs paramiko, which the ansible package does not pull in.
 ANSIBLE_PINS = ["ansible==12.3.0", "paramiko==5.1.0"]
 FLEETCUDA = Path(sys.executable).parent / "fleetcuda"
-FLOORS = ["floor-mux", "floor-mux-8", "floor-1proc"]
+FLOORS = ["floor-least", "floor-mux", "floor-mux-8", "floor-1proc"]
 TOOLS = ["fleetcuda-verify", "fleetcuda-apply", *FLOORS, "ansible"]
 FORKS = 8  # fleetcuda's default --forks, and Ansible's forks here
 ANSIBLE_WARMUP_LIMIT = 8
@@ -154,7 +158,8 @@ def write_inventory(size: Size) -> None:
     import yaml  # fleetcuda's dependency
 
     lab = yaml.safe_load((REPO / "inventories" / "lab.yaml").read_text())
-    inv: dict = {"vars": lab["vars"], "groups": {
+    # Facts pinned (the lab image's Python is 3.11): the floors answer the same questions without reading them.
+    inv: dict = {"vars": {**lab["vars"], "python_xy": "3.11"}, "groups": {
         "zsh-login": {"members": [h.name for h in size.hosts if h.users[0].uid0]},
         "sudo-hosts": {"members": [h.name for h in size.hosts if h.users[0].sudo]},
     }, "hosts": {}}
@@ -178,7 +183,12 @@ class Plans:
         inventory = load_inventory(str(size.inventory))
         self.targets = inventory.select(None)
         self.batch: dict[str, str] = {}  # target id -> exact string for the SSH exec channel
+        self.feed: dict[str, str] = {}  # target id -> shell words that write the batch's stdin (its nonce)
+        self.nonce: dict[str, str] = {}
+        self.least: dict[str, str] = {}  # target id -> the checks' own commands, one plain shell (floor-least)
         self.hop: dict[str, SshHop] = {}  # host -> its hop
+        self.sudo: dict[str, bool] = {}  # host -> pct through sudo -n
+        self.pct: dict[str, str] = {}  # host -> its pct
         self.vmid: dict[str, int] = {}
         self.steps: list[str] = []
         self.argv: dict[str, list[list[str]]] = {}  # target id -> per-step argv inside the container
@@ -195,7 +205,13 @@ class Plans:
                 log(f"note: {t.id}: apply's batched checks differ from verify's; the floor uses verify's")
             assert cmd.remote is not None and t.chain.ssh is not None and t.container is not None
             self.batch[t.id] = cmd.remote
+            # The batch reads its nonce (and any secret) from stdin, NUL-separated, as fleetcuda writes it.
+            self.feed[t.id] = "printf '%s\\0' " + " ".join(shlex.quote(w) for w in cmd.stdin.split("\0")[:-1])
+            self.nonce[t.id] = plan.nonce
+            self.least[t.id] = least_work_script(verify)
             self.hop[t.host] = t.chain.ssh
+            self.sudo[t.host] = bool(t.chain.pct and t.chain.pct.sudo)
+            self.pct[t.host] = t.chain.pct.pct if t.chain.pct else "pct"
             self.vmid[t.id] = t.container.vmid
             self.steps = [s.name for s in plan.steps if not s.skipped and s.verify_probe]
             self.argv[t.id] = [target_argv(p) for _, p in verify]
@@ -217,6 +233,51 @@ def _ssh(hop: SshHop) -> list[str]:
     # sshds: OpenSSH 9.2's default, sntrup761x25519, costs about 0.1 s more per connection here,
     # which would flatter fleetcuda.
     return ["ssh", "-F", "/dev/null", *ssh_argv(hop)[1:], "-o", "KexAlgorithms=curve25519-sha256"]
+
+
+def least_work_script(probes: list) -> str:
+    """The least work that answers verify's questions: each check's own script, with its own variables and
+    environment, in a subshell of one plain bash per container; no per-check env/timeout/bash, no framing
+    beyond one marker line per check (which a check could forge: a floor does not defend)."""
+    lines = []
+    for index, probe in probes:
+        body = [f"export {k}={shlex.quote(v)}" for k, v in probe.env.items()]
+        body += [f"{k}={shlex.quote(v)}" for k, v in probe.shell_vars.items()]
+        lines.append("( " + "; ".join(body) + (";" if body else "") + "\n" + probe.script + "\n) </dev/null 2>&1")
+        lines.append(f"echo \"@@least {index} $?\"")
+    return "\n".join(lines)
+
+
+def write_floor_least(size: Size, plans: Plans) -> Path:
+    """bash + OpenSSH, the least work: one ssh process per host, whose remote shell starts, for all of the host's
+    containers at once, one `[sudo -n] pct exec VMID -- bash -c CHECKS` running the checks' own scripts."""
+    lines = ["#!/bin/bash",
+             f"# The least-work floor for {size.topology}, generated by benchmarks/run.py: plain OpenSSH, one ssh",
+             "# process per host; its remote /bin/sh reads floor-least.HOST.sh, which starts one plain bash per",
+             "# container (all at once) running the read-only checks' own scripts one after another.",
+             "# Usage: floor-least.sh OUTDIR",
+             "set -u", 'out=${1:?output directory}', 'mkdir -p "$out"']
+    for host, tids in plans.by_host().items():
+        hop = plans.hop[host]
+        remote = ["d=$(mktemp -d)"]
+        for tid in tids:
+            v = plans.vmid[tid]
+            pct = ("sudo -n " if plans.sudo[host] else "") + f"{shlex.quote(plans.pct[host])} exec {v} -- /bin/bash -c "
+            remote.append(f"{{ {pct}{shlex.quote(plans.least[tid])}; echo $? >$d/{v}.rc; }} </dev/null 2>&1 "
+                          f"| cat >$d/{v} &")
+        remote.append("wait")
+        remote.append(f"for v in {' '.join(str(plans.vmid[t]) for t in tids)}; do "
+                      "echo \"@@bench-container $v $(cat $d/$v.rc)\"; cat $d/$v; done")
+        remote.append("rm -rf $d")
+        script = size.dir / f"floor-least.{host}.sh"
+        script.write_text("\n".join(remote) + "\n")
+        lines.append(join(_ssh(hop)) + " -- " + shlex.quote(f"{hop.user}@{hop.address}") + " /bin/sh -s <"
+                     + shlex.quote(str(script)) + f' >"$out/{host}" 2>&1 &')
+    lines += ["wait", ""]
+    path = size.dir / "floor-least.sh"
+    path.write_text("\n".join(lines))
+    path.chmod(0o755)
+    return path
 
 
 def write_floor_mux(size: Size, plans: Plans, parallel: int = 0) -> Path:
@@ -243,7 +304,7 @@ def write_floor_mux(size: Size, plans: Plans, parallel: int = 0) -> Path:
             out = tid.replace("/", "_")
             lines.append("{ " + join([*_ssh(hop), "-o", "ControlMaster=no"]) + f' -o ControlPath="$ctl/{i}" -- '
                          + shlex.quote(f"{hop.user}@{hop.address}") + " " + shlex.quote(plans.batch[tid])
-                         + f' </dev/null >"$out/{out}" 2>&1; echo $? >"$out/{out}.rc"; }} &')
+                         + f' < <({plans.feed[tid]}) >"$out/{out}" 2>&1; echo $? >"$out/{out}.rc"; }} &')
             if parallel:
                 lines.append(f"if (( ++n >= {parallel} )); then wait -n; (( n-- )); fi")
     lines += ["wait", "# close the connections"]
@@ -276,7 +337,8 @@ def write_floor_1proc(size: Size, plans: Plans) -> Path:
             v = plans.vmid[tid]
             # Through a pipe, not straight into a file: lxc-attach (the lab's pct) chowns a file on its
             # stdout to root, 0700, and the SSH user could no longer read it.
-            remote.append(f"{{ {plans.batch[tid]}; echo $? >$d/{v}.rc; }} </dev/null 2>&1 | cat >$d/{v} &")
+            remote.append(f"{{ {plans.feed[tid]} | {{ {plans.batch[tid]}; echo $? >$d/{v}.rc; }}; }} 2>&1 "
+                          f"| cat >$d/{v} &")
         remote.append("wait")
         remote.append(f"for v in {' '.join(str(plans.vmid[t]) for t in tids)}; do "
                       "echo \"@@bench-container $v $(cat $d/$v.rc)\"; cat $d/$v; done")
@@ -385,6 +447,7 @@ def contenders(size: Size, plans: Plans, recipe: str) -> dict[str, dict]:
         f"floor-mux-{FORKS}": {"argv": ["/bin/bash", str(write_floor_mux(size, plans, FORKS)), "OUT"], "env": env,
                                "cwd": REPO},
         "floor-1proc": {"argv": ["/bin/bash", str(write_floor_1proc(size, plans)), "OUT"], "env": env, "cwd": REPO},
+        "floor-least": {"argv": ["/bin/bash", str(write_floor_least(size, plans)), "OUT"], "env": env, "cwd": REPO},
         "ansible": {"argv": [str(ANSIBLE_VENV / "bin" / "ansible-playbook"), "checks.yml"], "env": aenv,
                     "cwd": adir},
     }
@@ -417,18 +480,23 @@ def validate(tool: str, rc: int, output: str, outdir: Path, plans: Plans, limite
         for t in plans.targets:
             name = t.id.replace("/", "_")
             rcs = (outdir / f"{name}.rc").read_text().strip()
-            res = parse_batch((outdir / name).read_text())
+            res = parse_batch((outdir / name).read_text(), plans.nonce[t.id])
             if rcs != "0" or len(res) != steps or any(r.rc for r in res.values()):
                 return f"{t.id}: ssh exit {rcs}, {len(res)} results, rcs {[r.rc for r in res.values()]}"
         return None
-    if tool == "floor-1proc":
+    if tool in ("floor-1proc", "floor-least"):
         for host, tids in plans.by_host().items():
             text = (outdir / host).read_text()
             chunks = re.split(r"^@@bench-container (\d+) (\d+)\n", text, flags=re.M)
             got = {int(chunks[i]): (chunks[i + 1], chunks[i + 2]) for i in range(1, len(chunks) - 2, 3)}
             for tid in tids:
                 rcs, body = got.get(plans.vmid[tid], ("?", ""))
-                res = parse_batch(body)
+                if tool == "floor-least":
+                    rcs_least = re.findall(r"^@@least \d+ (\d+)$", body, re.M)
+                    if rcs != "0" or len(rcs_least) != steps or any(r != "0" for r in rcs_least):
+                        return f"{tid}: pct exit {rcs}, check exits {rcs_least}"
+                    continue
+                res = parse_batch(body, plans.nonce[tid])
                 if rcs != "0" or len(res) != steps or any(r.rc for r in res.values()):
                     return f"{tid}: pct exit {rcs}, {len(res)} results, rcs {[r.rc for r in res.values()]}"
         return None

@@ -21,7 +21,7 @@ def test_a_satisfied_check_is_ok_and_nothing_is_applied(tmp_path: Path) -> None:
     # Both checks went in one round trip, and nothing else was sent.
     assert [(c.step, c.phase, c.batched) for c in fake.calls] == [
         ("all-steps", "check", False), ("a", "check", True), ("b", "check", True)]
-    assert "'test -e /etc/a' fleetcuda:a@" in fake.calls_for(step="a")[0].script
+    assert "eval 'test -e /etc/a'" in fake.calls_for(step="a")[0].script
     assert exit_code([result]) == ExitStatus.OK
 
 

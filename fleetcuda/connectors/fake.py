@@ -199,8 +199,8 @@ class FakeLocks:
 # run.locks' scripts: remote/lock.sh's functions, then one call of them per action, `fleetcuda_lock_<action>
 # NAME OWNER ...` on a line of its own (quoted as command.quote quotes).
 _LOCK_CALL = re.compile(r"^fleetcuda_lock_(acquire|release|refresh|take_over) (.*)$", re.M)
-_BATCH_PROBE = re.compile(r'begin (\d+)"; t=\$\(now\)\n(.*?)\n[^\n]* end \1 \$rc ', re.S)
-_PROBE_LABEL = re.compile(r"(fleetcuda:[^\s']+)'? (?:</dev/null|< <\(printf)")
+_BATCH_PROBE = re.compile(r'begin (\d+)"; fc_ms; fc_t=\$fc_m\n(.*?)\n[^\n]* end \1 \$fc_rc ', re.S)
+_PROBE_LABEL = re.compile(r"^: '?(fleetcuda:[^'\n]+)'?$", re.M)
 
 
 def _where(place: Place) -> str:

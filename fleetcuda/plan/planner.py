@@ -13,18 +13,17 @@ from types import MappingProxyType
 from fleetcuda.plan.command import (
     BuiltCommand,
     Invocation,
+    _check_env_name,
     build,
     internal_label,
-    join,
     quote,
     step_label,
-    target_argv,
 )
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.recipe import AUTO, Recipe, check_fact_value
 from fleetcuda.plan.templating import FILTERS, TemplateError, check_value, render, render_shell, scrub
 from fleetcuda.redact import MIN_SECRET, SECRET_NAME, URL_CREDENTIALS
-from fleetcuda.remote import framing
+from fleetcuda.remote import PY_DELIMITER, framing, program
 from fleetcuda.run.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.steps import Scripts, StepContext, StepSpec
 from fleetcuda.steps.base import INSTALL_VARS
@@ -304,36 +303,130 @@ def vmid_of(plan: Plan) -> int | None:
     return plan.target.container.vmid if plan.target.container else None
 
 
+# Milliseconds since the epoch into $fc_m: bash 5's EPOCHREALTIME costs no process; older bash forks date.
+_CLOCK = ('if [ -n "${EPOCHREALTIME:-}" ]; then fc_ms() { fc_m=${EPOCHREALTIME/[.,]/}; fc_m=$(( fc_m / 1000 )); }\n'
+          'else fc_ms() { fc_m=$(date +%s%3N); }; fi')
+# The batch shell's own names, removed in each check's subshell before the check's own are set.
+_BATCH_NAMES = "fc_m fc_t fc_rc fc_out all_ok"
+# The batch shell's environment; a check's is exactly what it names (and PWD, SHLVL, as a new bash has).
+_BASH_EXPORTS = "PATH LANG HOME"
+
+
+# The client of remote/pyserver.py: `fc_py N ARGV...` runs `python ARGV` in interpreter server N (a fork of an
+# interpreter that has imported torch), with this shell's environment, directory and streams; when the server
+# cannot (or is gone), the real interpreter runs instead. Builtins only, except compgen's one fork and mkfifo.
+_PY_CLIENT = r"""fc_py() {
+  local fc_n=$1 fc_v fc_fd fc_q fc_r; shift
+  fc_q="$fc_pyd/q.$BASHPID"; fc_r="$fc_pyd/r.$BASHPID"
+  if kill -0 "${fc_pypid[fc_n]}" 2>/dev/null && mkfifo -m 600 "$fc_r" 2>/dev/null; then
+    { printf '%s\0' "$PWD" "$#" "$@"; for fc_v in $(compgen -e); do printf '%s\0' "$fc_v=${!fc_v}"; done
+      printf '%s\0' "_=${fc_pyexe[fc_n]}"; } >"$fc_q"  # what bash puts in $_ for a command it runs
+    exec {fc_fd}<>"$fc_r"
+    # From a subshell: the server reopens this shell's stdout, which a redirection here changes meanwhile.
+    fc_v=$BASHPID; ( printf '%s\n' "$fc_v" >"$fc_pyd/in.$fc_n" )
+    until IFS= read -r -t 1 -u "$fc_fd" fc_v; do
+      kill -0 "${fc_pypid[fc_n]}" 2>/dev/null || { fc_v=fallback; break; }
+    done
+    exec {fc_fd}<&-
+    rm -f "$fc_q" "$fc_r"
+    [ "$fc_v" = fallback ] || return "$fc_v"
+  fi
+  command "${fc_pyexe[fc_n]}" "$@"
+}"""
+# A Python path that can name a shell function (what the batch defines to send its calls to a server).
+_FUNCTION_PATH = re.compile(r"/[A-Za-z0-9_./+-]+\Z")
+
+
+def _server_pythons(plan: Plan, probes: list[tuple[int, Invocation]]) -> list[str]:
+    """The Pythons this batch's checks run by path: the target's, when a check names it."""
+    python = plan.target.python
+    if not python or not _FUNCTION_PATH.match(python):
+        return []
+    uses = [p for _, p in probes if python in p.script or python in p.shell_vars.values()]
+    return [python] if uses else []
+
+
+def _python_servers(plan: Plan, pythons: list[str]) -> list[str]:
+    """Batch lines that start one interpreter server per Python (torch imported while the shell checks run)
+    and make a call of that Python, by its path, a call of the server (a shell function of that name)."""
+    if not pythons:
+        return []
+    server = program("pyserver")
+    lines = ['fc_pyd=$(mktemp -d "${TMPDIR:-/tmp}/fleetcuda-py.XXXXXX" 2>/dev/null) || fc_pyd=', _PY_CLIENT]
+    label = internal_label("pyserver", plan.run_id)
+    for n, python in enumerate(pythons):
+        lines += [f'if [ -n "$fc_pyd" ] && mkfifo -m 600 "$fc_pyd/in.{n}"; then',
+                  f"fc_pyexe[{n}]={quote(python)}",
+                  f"{quote(python)} - \"$fc_pyd\" {n} torch {quote(label)} <<'{PY_DELIMITER}' >/dev/null 2>&1 &",
+                  server.text + PY_DELIMITER,
+                  f"fc_pypid[{n}]=$!",
+                  f'function {python} {{ fc_py {n} "$@"; }}',
+                  "fi"]
+    return lines
+
+
 def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None) -> BuiltCommand:
-    """One round trip for many read-only checks: each runs exactly as on its own (same env -i argv,
-    same timeout), its output framed (see framing), so no check can forge another's result or its own.
+    return batch_parts(plan, probes, lock)[0]
+
+
+def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]],
+                lock: TargetLock | None = None) -> tuple[BuiltCommand, dict[int, str]]:
+    """The batch command, and each check's part of its script by step index (what the dry-run refers to).
+
+    One round trip for many read-only checks, in one shell: each check runs in a subshell of it, with
+    exactly its own environment, variables and secrets (the batch's own removed first), its script given to
+    `eval` (a syntax error stays that check's failure), its output framed (see framing), so no check can
+    forge another's result or its own. One timeout covers the batch (the sum of the checks' own): a batch that
+    does not finish is not believed, and each step then checks on its own, with its own timeout.
     With a lock, it is taken first; and if every check passed (nothing to apply), released at once."""
-    lines = ["set +e", "now() { date +%s%3N; }", "all_ok=1"]
+    lines = ["set +e", _CLOCK, "all_ok=1"]
     if lock is not None:
         lines.append(lock.acquire(vmid_of(plan)))
+    pythons = _server_pythons(plan, probes)
+    lines += _python_servers(plan, pythons)
     secret_vars: dict[str, str] = framing.nonce_vars(plan.nonce)
+    batch_secrets = list(secret_vars)
+    parts: dict[int, str] = {}
     for index, probe in probes:
-        feed = "</dev/null"
-        if probe.stdin:
-            # The probe's secrets go from this shell's variables (read from our stdin) to its stdin: printf
-            # is a builtin, so they are on no command line.
-            names = []
-            for value in [*probe.secret_vars.values(), *probe.secret_env.values()]:
-                name = f"fcs_{len(secret_vars) - 1}"
-                secret_vars[name] = value
-                names.append(f'"${name}"')
-            feed = f"< <(printf '%s\\0' {' '.join(names)})"
-        lines.append(f"{framing.frame('begin', str(index))}; t=$(now)")
-        lines.append(f"{join(target_argv(probe))} {feed} 2>&1 | {framing.PAYLOAD}; rc=${{PIPESTATUS[0]}}")
-        lines.append(f"{framing.frame('end', str(index), '$rc', '$(( $(now) - t ))')}; "
-                     '[ "$rc" = 0 ] || all_ok=0')
+        # The step's label first (the log and the fake connector read which check this is).
+        # (Redirections inside: on the assignment they would make its status 0.)
+        body = [f": {quote(probe.label)}", "exec </dev/null 2>&1", f"unset -v {_BASH_EXPORTS} {_BATCH_NAMES}",
+                "unset -f fc_ms"]
+        for name, value in probe.env.items():
+            _check_env_name(name)
+            body.append(f"export {name}={quote(value)}")
+        body += [f"{name}={quote(value)}" for name, value in probe.shell_vars.items()]
+        mine = []
+        for name, value, export in [*((n, v, False) for n, v in probe.secret_vars.items()),
+                                    *((n, v, True) for n, v in probe.secret_env.items())]:
+            _check_env_name(name)
+            # From this shell's variables (read from our stdin): assignments and export are builtins, so
+            # the secret is on no command line.
+            var = f"fcs_{len(secret_vars) - 1}"
+            secret_vars[var] = value
+            mine.append(var)
+            body.append(("export " if export else "") + f'{name}="${var}"')
+        others = [v for v in batch_secrets if v not in probe.secret_vars]
+        body.append("unset -v " + " ".join([*others, *(v for v in mine if v not in probe.secret_vars)]))
+        body.append(f"eval {quote(probe.script)}")
+        batch_secrets += mine
+        lines.append(f"{framing.frame('begin', str(index))}; fc_ms; fc_t=$fc_m")
+        # Captured, then printed with `| ` before each line: no process beyond the check's own subshell.
+        parts[index] = "\n".join(body)
+        lines.append("fc_out=$(\n" + parts[index] + "\n); fc_rc=$?")
+        lines.append('[ -z "$fc_out" ] || printf \'| %s\\n\' "${fc_out//$\'\\n\'/$\'\\n| \'}"')
+        lines.append(f"fc_ms; {framing.frame('end', str(index), '$fc_rc', '$(( fc_m - fc_t ))')}; "
+                     '[ "$fc_rc" = 0 ] || all_ok=0')
     if lock is not None:
         lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan))}\nfi')
+    if pythons:
+        lines.append('if [ -n "$fc_pyd" ]; then kill "${fc_pypid[@]}" 2>/dev/null; rm -rf "$fc_pyd"; fi')
     lines.append(framing.frame("done", str(len(probes))))
     total = sum(p.timeout or 0 for _, p in probes) + 30 + (lock.wait_s if lock else 0)
     env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
     return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total,
-                                               label=internal_label("batch", plan.run_id), secret_vars=secret_vars))
+                                               label=internal_label("batch", plan.run_id),
+                                               secret_vars=secret_vars)), parts
 
 
 @dataclass
@@ -344,21 +437,32 @@ class BatchResult:
 
 
 def parse_batch(output: str, nonce: str) -> dict[int, BatchResult]:
-    """Each check's result, from its own frames. Only a batch that reached its closing `done` frame counts
-    (a check that killed the batch shell, after printing frames into its stdout, gets nothing believed), and
-    a check's result is the last `end` frame of its index: the batch shell prints that one after the check
-    has exited, so anything the check wrote earlier is overridden."""
+    """Each check's result, from its own frames. Only a batch whose frames are exactly what the batch shell
+    prints counts: `begin`/`end` per check in order, then `done` last. A check can print no frame (its output
+    is prefixed), so any other frame was written past that (into the batch's own stdout, say, with the nonce
+    read from its memory): nothing of that batch is believed, and each step checks on its own."""
     frames = framing.parse(output, nonce)
     if not frames or not isinstance(framing.record(frames[-1]), framing.Done):
         return {}
     records = framing.records(frames)
     results: dict[int, BatchResult] = {}
-    texts: dict[int, str] = {}
-    for r in records:
-        if isinstance(r, framing.CheckBegin):
-            texts[r.index] = r.output
-        elif isinstance(r, framing.CheckEnd) and r.index in texts:
-            results[r.index] = BatchResult(r.rc, texts[r.index], r.duration_ms)
+    open_index: int | None = None
+    text = ""
+    seen: set[int] = set()
+    for r in records[:-1]:
+        if isinstance(r, framing.CheckBegin) and open_index is None and r.index not in seen:
+            open_index, text = r.index, r.output
+        elif isinstance(r, framing.CheckEnd) and r.index == open_index:
+            results[r.index] = BatchResult(r.rc, text, r.duration_ms)
+            seen.add(r.index)
+            open_index = None
+        elif isinstance(r, framing.LockRecord):
+            continue
+        else:
+            return {}
+    done = records[-1]
+    if open_index is not None or not isinstance(done, framing.Done) or done.count != len(results):
+        return {}
     return results
 
 

@@ -84,7 +84,6 @@ from fleetcuda.plan.command import (
     join_for_paste,
     quote,
     ssh_argv,
-    target_argv,
 )
 from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import (
@@ -93,7 +92,7 @@ from fleetcuda.plan.planner import (
     PlannedStep,
     base_env,
     base_values,
-    batch_command,
+    batch_parts,
     facts_command,
     install_command,
     lock_command,
@@ -266,14 +265,16 @@ def plan_target(recipe: Recipe, target: Target, overrides: dict[str, str], home:
     vmid = vmid_of(plan)
     if batched:
         numbers = {s.index: s for s in plan.steps}
-        for index, probe in probes:
+        command, parts = batch_parts(plan, probes, lock)
+        for index, part in parts.items():
             step = numbers[index]
             phase = "check" if step.check is not None else "verify"
-            refs[join(target_argv(probe))] = f"<step {index + 1} {step.name}: its {phase}, as sent on its own>"
+            refs[part] = (f"<step {index + 1} {step.name}: its {phase}, in a subshell with its own environment, "
+                          "variables and secrets, as sent on its own below>")
         sends.append(Send("checks", "check", "before any step: every step's read-only check (or an assertion "
                           "step's verify) in one round trip, after taking the target's lock; if every check passes "
                           "the lock is released at once. Sent again after a take-over of a lock its dead run left",
-                          batch_command(plan, probes, lock), title="checks + lock acquire", refs=refs))
+                          command, title="checks + lock acquire", refs=refs))
     else:
         sends.append(Send("lock-acquire", "acquire", "before any step: takes the target's lock (again after a "
                           "take-over of a lock its dead run left)", lock_command(plan, lock.acquire(vmid)),

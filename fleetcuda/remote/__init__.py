@@ -26,6 +26,7 @@ PROGRAMS: dict[str, tuple[str, Language]] = {
     "arch_patch": ("arch_patch.py", "python"),
     "doctor_probe": ("doctor_probe.py", "python"),
     "fast_path_gate": ("fast_path_gate.py", "python"),
+    "pyserver": ("pyserver.py", "python"),
     "detect_archs": ("detect_archs.sh", "bash"),
     "fetch": ("fetch.sh", "bash"),
     "lock": ("lock.sh", "bash"),
