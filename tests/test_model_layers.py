@@ -189,8 +189,8 @@ def test_the_seeds_story_causal_conv1d_missing_puts_48_of_64_on_the_reference_pa
     v = model_verdict(model, report(conv=NO_CONV))
     assert (v.path, v.status, v.fast_layers, v.reference_layers) == ("partly-reference", "fail", 16, 48)
     assert v.message == ("48 of 64 layers (linear_attention) partly on the reference path: causal_conv1d_fn, "
-                         f"causal_conv1d_update on the reference path: causal_conv1d does not import ({NO_CONV}) "
-                         "(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule via fla)")
+                         f"causal_conv1d_update fall back: causal_conv1d does not import ({NO_CONV}); "
+                         "chunk_gated_delta_rule, fused_recurrent_gated_delta_rule via fla")
     both = model_verdict(model, report(conv=NO_CONV, fla=NO_FLA))
     assert (both.path, both.reference_layers) == ("reference", 48)
     assert both.message == (f"48 of 64 layers (linear_attention) on the reference path: causal_conv1d does not "
@@ -202,7 +202,7 @@ def test_a_package_that_imports_but_is_not_picked_is_named_with_what_was(model: 
             "fast": {f: f != "causal_conv1d_update" for f in FUNCTIONS}}
     v = model_verdict(model, report(gate=gate))
     assert v.path == "partly-reference" and v.reasons == [
-        f"causal_conv1d_update on the reference path: causal_conv1d imports, but transformers 5.24.0 picked "
+        f"causal_conv1d_update fall back: causal_conv1d imports, but transformers 5.24.0 picked "
         f"{MODULE}.causal_conv1d_update"]
 
 

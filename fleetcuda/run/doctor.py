@@ -226,9 +226,9 @@ def model_verdict(model: Model, report: dict) -> ModelVerdict:
     if len(slow) == len(GATED_DELTA_NET.functions):
         reasons = [why for _, why in causes.values()]
         return ModelVerdict("reference", "fail", total - linear, linear, f"{slow_msg}: {'; '.join(reasons)}", reasons)
-    reasons = [f"{', '.join(fell)} on the reference path: {why}" for fell, why in causes.values()]
+    reasons = [f"{', '.join(fell)} fall back: {why}" for fell, why in causes.values()]
     kept = [f for f in GATED_DELTA_NET.functions if f not in slow]
-    via = sorted({GATED_DELTA_NET.package_of(f) for f in kept})
+    via = "+".join(sorted({GATED_DELTA_NET.package_of(f) for f in kept}))
     return ModelVerdict("partly-reference", "fail", total - linear, linear,
-                        f"{linear} of {total} layers ({LINEAR}) partly on the reference path: {'; '.join(reasons)} "
-                        f"({', '.join(kept)} via {'+'.join(via)})", reasons)
+                        f"{linear} of {total} layers ({LINEAR}) partly on the reference path: {'; '.join(reasons)}; "
+                        f"{', '.join(kept)} via {via}", reasons)
