@@ -4,6 +4,7 @@ and per target how many of them take the fast path, decided from doctor's report
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,9 @@ def test_qwen3_5_dense_layers_come_from_text_config_layer_types(tmp_path: Path) 
 def test_a_relative_path_is_read_from_the_callers_directory(tmp_path: Path) -> None:
     write_config(tmp_path, qwen3_5())
     assert read_model("model", cwd=tmp_path).source == "model/config.json"
+    os.mkfifo(tmp_path / "fifo")  # refused without waiting for a writer, and named as the user named it
+    with pytest.raises(InputError, match=r"^fifo: cannot read: a FIFO, not a regular file$"):
+        read_model("fifo", cwd=tmp_path)
 
 
 def test_qwen3_5_moe_nests_its_text_model_and_may_give_only_the_interval(tmp_path: Path) -> None:

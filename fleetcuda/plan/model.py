@@ -142,7 +142,10 @@ def read_model(path: str, cwd: Path | None = None) -> Model:
     from fleetcuda.plan.yamlsrc import read_bounded
 
     real, shown = config_path(path, cwd)
-    raw = read_bounded(real, MAX_CONFIG_BYTES)
+    try:
+        raw = read_bounded(real, MAX_CONFIG_BYTES)
+    except InputError as exc:  # named as the user named it, not as this process's cwd resolved it
+        raise InputError(shown, exc.line, exc.field, exc.message) from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise InputError(shown, None, "", f"larger than {MAX_CONFIG_BYTES} bytes: not a model's config.json")
     try:
