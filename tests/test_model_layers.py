@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -257,3 +259,35 @@ def test_a_model_of_full_attention_only_needs_no_kernels(tmp_path: Path) -> None
     v = model_verdict(full, report(conv=NO_CONV, fla=NO_FLA))
     assert (v.path, v.status, v.message) == ("no-kernels", "ok", "4 of 4 layers need no fast-path kernels "
                                                                  "(all full_attention)")
+
+
+# -- against transformers itself, where the lab's real topology has installed it -----------------------------------
+
+REAL_SITE = Path(f"/var/lib/fleetcuda-lab/real/base/root/venv/lib/python3.{sys.version_info.minor}/site-packages")
+
+
+@pytest.mark.skipif(not (REAL_SITE / "transformers").is_dir(),
+                    reason="no transformers of the lab's real topology for this Python (tests/lab/labctl.py)")
+def test_the_layer_types_read_are_the_ones_transformers_builds(tmp_path: Path) -> None:
+    """transformers' own AutoConfig over the same config files: its text config's layer_types, layer by layer."""
+    cases = {"q35": qwen3_5(),
+             "q35-interval": {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text",
+                                                                       "num_hidden_layers": 64,
+                                                                       "full_attention_interval": 4}},
+             "moe": {"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text",
+                                                                  "num_hidden_layers": 40}},
+             "next": {"model_type": "qwen3_next", "num_hidden_layers": 48, "full_attention_interval": 4},
+             "next3": {"model_type": "qwen3_next", "num_hidden_layers": 12, "full_attention_interval": 3},
+             "text": {"model_type": "qwen3_5_text", "num_hidden_layers": 8, "full_attention_interval": 2}}
+    for name, doc in cases.items():
+        write_config(tmp_path, doc, name)
+    script = ("import json, sys\nfrom transformers import AutoConfig\n"
+              "print(json.dumps({n: list(AutoConfig.from_pretrained(sys.argv[1] + '/' + n).get_text_config()"
+              ".layer_types) for n in sys.argv[2:]}))\n")
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path), *cases], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REAL_SITE), "HF_HUB_OFFLINE": "1",
+                              "PYTHONDONTWRITEBYTECODE": "1"}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    theirs = json.loads(res.stdout.splitlines()[-1])
+    for name in cases:
+        assert read_model(str(tmp_path / name)).layer_types == tuple(theirs[name]), name
