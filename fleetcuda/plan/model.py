@@ -1,14 +1,16 @@
 """A model's layers as transformers builds them, read from its config.json on the control machine (pure: no
 transformers, no network), for `fleetcuda doctor --model`.
 
-What is known, read from transformers' sources (configuration_*.py and modeling_*.py of qwen3_5, qwen3_5_moe and
-qwen3_next, 4.57 to 5.24): every decoder layer is `config.layer_types[i]`; a `linear_attention` layer is a
-GatedDeltaNet, whose fast path is causal_conv1d's two functions plus fla's two gated-delta-rule functions (the
-gate of docs: one module flag up to 5.14, each function wrapped from 5.15), and a `full_attention` layer needs
-neither. When `layer_types` is absent transformers derives it from `full_attention_interval` (4 if absent):
-layer i is full attention when (i + 1) is a multiple of it. Qwen3.5 and Qwen3.5-MoE checkpoints hold the text
-model under `text_config` (model_type qwen3_5_text / qwen3_5_moe_text); Qwen3-Next holds it at the top.
-A model type not listed here is said to be unknown, never guessed from its fields.
+What is known, read from transformers 5.24's sources (configuration_*.py and modeling_*.py of qwen3_5,
+qwen3_5_moe and qwen3_next; tests/test_model_layers.py checks the result against its AutoConfig where it is
+installed): every decoder layer is `config.layer_types[i]`; a `linear_attention` layer is a GatedDeltaNet,
+whose fast path is causal_conv1d's two functions plus fla's two gated-delta-rule functions (one module flag
+for all four up to 5.14, each function wrapped on its own from 5.15: remote/fast_path_gate.py reads both),
+and a `full_attention` layer needs neither. When `layer_types` is absent transformers derives it from
+`full_attention_interval` (4 if absent): layer i is full attention when (i + 1) is a multiple of it.
+Qwen3.5 and Qwen3.5-MoE checkpoints hold the text model under `text_config` (model_type qwen3_5_text /
+qwen3_5_moe_text); Qwen3-Next holds it at the top. A model type not listed here is said to be unknown,
+never guessed from its fields.
 """
 
 from __future__ import annotations
