@@ -10,7 +10,8 @@ frames (fleetcuda.remote.framing), not text to scrape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -18,6 +19,7 @@ from rich.text import Text
 
 from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote
 from fleetcuda.plan.inventory import Target
+from fleetcuda.plan.model import FULL, GATED_DELTA_NET, LINEAR, Model
 from fleetcuda.plan.planner import base_env
 from fleetcuda.remote import framing, python_heredoc
 
@@ -116,7 +118,8 @@ def findings(report: dict) -> list[Finding]:
 STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
 
 
-def render(results: dict[str, list[Finding]], console: Console) -> None:
+def render(results: dict[str, list[Finding]], console: Console,
+           verdicts: dict[str, ModelVerdict] | None = None, model: Model | None = None) -> None:
     for target, items in results.items():
         table = Table(title=Text(f"doctor: {target}"), show_header=True, header_style="bold")
         for col in ("check", "found", "status"):
@@ -124,3 +127,108 @@ def render(results: dict[str, list[Finding]], console: Console) -> None:
         for f in items:
             table.add_row(Text(f.check), Text(f.value), Text(f.status, style=STYLE[f.status]))
         console.print(table)
+    if model is not None and verdicts:
+        # The answer to "how many layers take the fast path", one line a target, after the detail.
+        console.print(Text(f"model {model.summary()}", style="bold"), soft_wrap=True)
+        for target, v in verdicts.items():
+            console.print(Text.assemble(Text(f"{target}: "), Text(v.message, style=STYLE[v.status])), soft_wrap=True)
+
+
+# -- doctor --model: how many of a model's layers take the fast path on a target ---------------------------------
+
+
+@dataclass
+class ModelVerdict:
+    """One target's answer for one model: which of its layers take the fast path, and why the others do not."""
+
+    path: str  # fast | reference | partly-reference | no-kernels | cannot-load | unknown
+    status: str  # as a Finding's: ok | fail | warn
+    fast_layers: int  # layers whose every fast-path function is the fast one (full_attention needs none)
+    reference_layers: int  # linear_attention layers with at least one function on the reference path
+    message: str
+    reasons: list[str] = field(default_factory=list)
+
+    def finding(self, model: Model) -> Finding:
+        return Finding(f"model {model.kind.model_type}", self.message, self.status)
+
+    def as_json(self, model: Model) -> dict[str, Any]:
+        return {**model.as_json(), "path": self.path, "status": self.status, "fast_layers": self.fast_layers,
+                "reference_layers": self.reference_layers, "message": self.message, "reasons": self.reasons}
+
+
+def _package_problem(name: str, item: object) -> str | None:
+    """Why a package the fast path needs is not usable, as the probe found it; None if it is."""
+    if not isinstance(item, dict) or "error" not in item:
+        return None if isinstance(item, dict) else f"{name} was not looked at"
+    err = str(item["error"])
+    if err.startswith(("ModuleNotFoundError", "ImportError")):
+        return f"{name} does not import ({err})"
+    return f"{name} fails ({err})"
+
+
+def model_verdict(model: Model, report: dict) -> ModelVerdict:
+    """From doctor's one round trip (the probe's imports, the gate of the model type's transformers module):
+    how many of the model's layers take the fast path there. Decided as transformers decides: up to 5.14 one
+    module flag for all four functions, from 5.15 each function on its own."""
+    total, linear, full = model.layers, model.count(LINEAR), model.count(FULL)
+    slow_msg = f"{linear} of {total} layers ({LINEAR}) on the reference path"
+    if linear == 0:
+        return ModelVerdict("no-kernels", "ok", total, 0, f"{total} of {total} layers need no fast-path kernels "
+                                                          f"(all {FULL})")
+    if "error" in report and len(report) == 1:
+        return ModelVerdict("unknown", "warn", 0, 0, f"not known: {report['error']}", [str(report["error"])])
+    problems = {p: why for p in GATED_DELTA_NET.packages
+                if (why := _package_problem(p, report.get(p))) is not None}
+    tf = report.get("transformers") or {}
+    if "error" in tf:
+        missing = f"transformers does not import ({tf['error']})"
+        if problems:  # both gate styles need the packages: slow whatever transformers it would be
+            reasons = [*problems.values(), missing]
+            return ModelVerdict("reference", "fail", total - linear, linear, f"{slow_msg}: {'; '.join(reasons)}",
+                                reasons)
+        return ModelVerdict("unknown", "warn", 0, 0, f"{linear} of {total} layers ({LINEAR}): which path is not "
+                                                     f"known: {missing}; causal_conv1d and fla import", [missing])
+    version = tf.get("version", "?")
+    short = model.kind.module.rsplit(".", 1)[-1]
+    mod = (tf.get("modules") or {}).get(model.kind.module)
+    if not isinstance(mod, dict):
+        why = f"transformers {version}: the gate of {short} was not read"
+        return ModelVerdict("unknown", "warn", 0, 0, f"not known: {why}", [why])
+    if "error" in mod:
+        why = f"{short} does not import in transformers {version} ({mod['error']})"
+        if "No module named 'transformers.models." in str(mod["error"]):
+            why += f"; {model.kind.name} came in transformers {model.kind.since}"
+        reasons = [why, *problems.values()]
+        return ModelVerdict("cannot-load", "fail", 0, 0, f"the model cannot load: {'; '.join(reasons)}", reasons)
+    fast_msg = (f"{total} of {total} layers on the fast path ({linear} {LINEAR} via "
+                f"{'+'.join(GATED_DELTA_NET.packages)}" + (f", {full} {FULL} unaffected)" if full else ")"))
+    if mod.get("style") == "flag":  # 4.57 to 5.14: one flag, all four functions or none
+        if mod.get("is_fast_path_available"):
+            return ModelVerdict("fast", "ok", total, 0, fast_msg)
+        gpu = isinstance(report.get("torch"), dict) and report["torch"].get("gpu")
+        reasons = list(problems.values()) or [
+            f"transformers {version}'s is_fast_path_available is False"
+            + ("" if gpu else ": no GPU visible (the flag needs torch.cuda.is_available())")]
+        return ModelVerdict("reference", "fail", total - linear, linear, f"{slow_msg}: {'; '.join(reasons)}", reasons)
+    functions, fast = mod.get("functions") or {}, mod.get("fast") or {}
+    if not functions:
+        why = f"transformers {version}: no GatedDeltaNet gate found in {short} (its layout changed?)"
+        return ModelVerdict("unknown", "warn", 0, 0, f"not known: {why}", [why])
+    slow = [f for f in GATED_DELTA_NET.functions if not fast.get(f)]
+    if not slow:
+        return ModelVerdict("fast", "ok", total, 0, fast_msg)
+    causes: dict[str, tuple[list[str], str]] = {}  # package -> (its functions that fell back, why)
+    for package, fns in GATED_DELTA_NET.needs:
+        if fell := [f for f in fns if f in slow]:
+            picked = sorted({str(functions.get(f, "nothing (not wrapped)")) for f in fell})
+            causes[package] = (fell, problems.get(package)
+                               or f"{package} imports, but transformers {version} picked {', '.join(picked)}")
+    if len(slow) == len(GATED_DELTA_NET.functions):
+        reasons = [why for _, why in causes.values()]
+        return ModelVerdict("reference", "fail", total - linear, linear, f"{slow_msg}: {'; '.join(reasons)}", reasons)
+    reasons = [f"{', '.join(fell)} fall back: {why}" for fell, why in causes.values()]
+    kept = [f for f in GATED_DELTA_NET.functions if f not in slow]
+    via = "+".join(sorted({GATED_DELTA_NET.package_of(f) for f in kept}))
+    return ModelVerdict("partly-reference", "fail", total - linear, linear,
+                        f"{linear} of {total} layers ({LINEAR}) partly on the reference path: {'; '.join(reasons)}; "
+                        f"{', '.join(kept)} via {via}", reasons)
