@@ -51,6 +51,7 @@ class Rollout:
 
     tmp: Path
     fake: FakeTransport
+    terminal: bool = False
 
     @property
     def state(self) -> Path:
@@ -62,9 +63,11 @@ class Rollout:
         out, err = io.StringIO(), io.StringIO()
         env = Environment.with_streams(out, err, io.StringIO(), environ={"PATH": "/usr/bin:/bin", "COLUMNS": "200"},
                                        home=self.tmp, cwd=self.tmp, state_dir=self.state,
+                                       stdout_is_terminal=self.terminal,
                                        clock=lambda: datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC))
         try:
-            code = main(["apply", str(self.tmp / "r.yaml"), "-i", str(self.tmp / "i.yaml"), "--plain", *argv], env)
+            plain = [] if self.terminal else ["--plain"]
+            code = main(["apply", str(self.tmp / "r.yaml"), "-i", str(self.tmp / "i.yaml"), *plain, *argv], env)
         except SystemExit as exc:  # argparse's usage errors
             code = int(exc.code or 0)
         return Outcome(code, out.getvalue(), err.getvalue())
@@ -209,6 +212,17 @@ def test_a_canary_as_large_as_the_fleet_is_one_batch(run: Rollout) -> None:
     assert got.code == ExitStatus.FAILED
     assert " batch " not in got.out and "not-run" not in got.out  # one batch: nothing to stop
     assert sorted(run.touched()) == TARGETS
+
+
+def test_on_a_terminal_the_live_view_says_each_batch_and_the_summary_the_targets_not_run(run: Rollout) -> None:
+    fail_apply_on(run.fake, "h/203")
+    run.terminal = True
+    got = run("--canary", "1", "--serial", "2")
+    assert got.code == ExitStatus.FAILED
+    assert "\x1b[" in got.out and " done: " not in got.out  # rich drew it, no plain lines
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", got.out)
+    assert "canary batch 1/3: h/201" in text and "batch 2/3: h/202, h/203" in text and "batch 3/3" not in text
+    assert "h/204, h/205: not-run: not started: batch 2/3 failed (h/203 failed)" in text
 
 
 def test_an_unreachable_canary_is_exit_3_and_a_locked_one_exit_1(run: Rollout) -> None:
