@@ -30,6 +30,7 @@ class TargetStatus(StrEnum):
     UNREACHABLE = "unreachable"
     LOCKED = "locked"
     INTERRUPTED = "interrupted"
+    NOT_RUN = "not-run"  # never started: an earlier batch of a --canary/--serial rollout failed (see its error)
 
 
 class ExitStatus(IntEnum):
@@ -76,13 +77,16 @@ class TargetResult:
 
 def exit_code(results: list[TargetResult]) -> ExitStatus:
     """OK only when every target ended in a success status; INTERRUPTED wins, then UNREACHABLE when that
-    is the only kind of failure, else FAILED."""
+    is the only kind of failure, else FAILED.
+
+    Targets a stopped rollout never started (not-run) are never a success, but they do not hide why it
+    stopped: a canary that was unreachable is exit 3 with the rest not-run, as when it was alone."""
     statuses = {str(r.status) for r in results}
     if TargetStatus.INTERRUPTED in statuses:
         return ExitStatus.INTERRUPTED
     bad = statuses - SUCCESS
     if not bad:
         return ExitStatus.OK
-    if bad == {TargetStatus.UNREACHABLE}:
+    if bad - {TargetStatus.NOT_RUN} == {TargetStatus.UNREACHABLE}:
         return ExitStatus.UNREACHABLE
     return ExitStatus.FAILED

@@ -1,9 +1,11 @@
 """`fleetcuda apply`: converge targets to a recipe; `--check` runs only the read-only checks and says what
-would change; `--dry-run` connects to nothing and prints the exact commands."""
+would change; `--dry-run` connects to nothing and prints the exact commands. `--canary N` and `--serial K`
+roll out in batches (run/rollout.py): a batch that does not fully succeed stops the rest."""
 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import TYPE_CHECKING
 
 from fleetcuda.cli import common
@@ -27,13 +29,34 @@ def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
                          "json (the plan as data, schema fleetcuda.plan/1; see docs/dry-run.md)")
     ap.add_argument("--lock-wait", type=int, default=0, metavar="SECONDS",
                     help="wait this long for another apply's lock on a target (default: refuse at once)")
+    ap.add_argument("--canary", type=target_count, default=None, metavar="N",
+                    help="converge the first N targets (inventory order, after --limit) first; if any of them does "
+                         "not end ok or changed, start no other target")
+    ap.add_argument("--serial", type=target_count, default=None, metavar="K",
+                    help="converge at most K targets per batch (after the canary batch); a batch that does not "
+                         "fully succeed stops the later ones")
+
+
+def target_count(text: str) -> int:
+    """--canary and --serial: a whole number of targets, at least 1 (argparse says which option was wrong)."""
+    if not re.fullmatch(r"[0-9]{1,9}", text) or int(text) < 1:
+        shown = text[:40] if text[:40].isprintable() else ascii(text[:40])
+        raise argparse.ArgumentTypeError(f"expected a number of targets, 1 or more (got '{shown}')")
+    return int(text)
 
 
 def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
+    rolling = rollout_option(args)
+    if rolling and args.check:
+        raise InputError(rolling, None, "", "does not go with --check: a check changes nothing, so there is "
+                                            "nothing to roll out (--dry-run shows the batches)")
+    if rolling and args.dry_run and args.format == "json":
+        raise InputError(rolling, None, "", "with --dry-run, the batches are shown by --format human or shell, "
+                                            "not json")
     inputs = common.load_run_inputs(args)
     if args.dry_run:
         return dry_run(inputs.recipe, inputs.inventory, inputs.targets, inputs.overrides, env,
-                       args.format or "human", args.lock_wait)
+                       args.format or "human", args.lock_wait, args.canary, args.serial)
     if args.format is not None:
         raise InputError("--format", None, args.format, "only goes with --dry-run")
     planned = common.plan_all(inputs, env)
@@ -41,8 +64,31 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
     return common.execute(inputs, "check" if args.check else "apply", args, [], env, planned)
 
 
+def rollout_option(args: argparse.Namespace) -> str | None:
+    """The rollout options given, as the user wrote them ("--canary", "--canary/--serial"), else None."""
+    given = [name for name in ("--canary", "--serial") if getattr(args, name[2:]) is not None]
+    return "/".join(given) or None
+
+
+def rollout_header(targets: list[Target], canary: int | None, serial: int | None) -> list[str]:
+    """The dry-run's lines that say which targets apply converges in which batch (nothing without the options)."""
+    from fleetcuda.plan.view import ascii_line, wrap
+    from fleetcuda.run.rollout import batches
+
+    if canary is None and serial is None:
+        return []
+    plan = batches(targets, canary, serial)
+    options = " ".join(f"--{name} {n}" for name, n in (("canary", canary), ("serial", serial)) if n is not None)
+    lines = [f"# Rollout ({options}): {len(plan)} batch(es), in this order; a batch starts only once every",
+             "# target of the one before ended ok or changed, else the targets of the later batches are not-run."]
+    for batch in plan:
+        lines += wrap("#   ", ascii_line(f"{batch.name}: {', '.join(t.id for t in batch.targets)}"), "#     ")
+    return lines
+
+
 def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str],
-            env: Environment, fmt: str = "human", lock_wait_s: int = 0) -> ExitStatus:
+            env: Environment, fmt: str = "human", lock_wait_s: int = 0, canary: int | None = None,
+            serial: int | None = None) -> ExitStatus:
     # The planner, not the engine: a dry-run imports nothing that connects (no paramiko), runs or draws.
     import secrets
 
@@ -53,7 +99,12 @@ def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
 
     programs = {name: program.text for name, program in catalog().items()}
     # render() returns 7-bit ASCII and redacts every secret of every target.
-    env.stdout.write(view.render(fmt, recipe, inventory, targets, overrides, common.local_home(env),  # type: ignore[arg-type]
-                                 programs, run_id=secrets.token_hex(4), nonce=new_nonce(), lock_owner=run_owner(),
-                                 lock_wait_s=lock_wait_s))
+    text = view.render(fmt, recipe, inventory, targets, overrides, common.local_home(env),  # type: ignore[arg-type]
+                       programs, run_id=secrets.token_hex(4), nonce=new_nonce(), lock_owner=run_owner(),
+                       lock_wait_s=lock_wait_s)
+    rollout = rollout_header(targets, canary, serial)
+    if rollout:  # at the end of the header (its first blank line): `#` comments, in the shell format too
+        head, blank, rest = text.partition("\n\n")
+        text = head + "\n" + "\n".join(rollout) + blank + rest
+    env.stdout.write(text)
     return ExitStatus.OK

@@ -142,6 +142,7 @@ def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: lis
     from fleetcuda.reports.live import PlainReporter, Reporter, RichReporter
     from fleetcuda.run.engine import Engine, make_run_dir
     from fleetcuda.run.locks import TargetLock, run_owner
+    from fleetcuda.run.rollout import batches
 
     recipe, targets = inputs.recipe, inputs.targets
     # A report on stdout keeps stdout for itself: progress and the summary go to stderr then.
@@ -155,8 +156,10 @@ def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: lis
     run_dir = make_run_dir(mode, recipe.name, env.state_dir)
     pool = TransportPool(transport_factory(inputs.inventory))
     lock = TargetLock(run_owner(), wait_s=getattr(args, "lock_wait", 0)) if mode == "apply" else None
+    canary, serial = getattr(args, "canary", None), getattr(args, "serial", None)  # apply's (run/rollout.py)
+    rollout = batches(targets, canary, serial) if mode == "apply" else None
     engine = Engine(recipe, targets, inputs.overrides, mode, pool, reporter, run_dir,  # type: ignore[arg-type]
-                    forks=args.forks, home=local_home(env), lock=lock, planned=planned)
+                    forks=args.forks, home=local_home(env), lock=lock, planned=planned, rollout=rollout)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

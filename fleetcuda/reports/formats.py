@@ -76,8 +76,8 @@ SCHEMA = "fleetcuda.verify/1"
 TARGET_STATUSES = ("ok", "changed", "would-change", "drift", "failed", "unreachable", "interrupted", "skipped")
 CHECK_STATUSES = ("ok", "changed", "skipped", "would-change", "drift", "failed")
 FAILING = frozenset({"drift", "failed"})
-# Statuses at which fleetcuda never got to run the target's checks.
-NOT_REACHED = frozenset({"unreachable", "interrupted", "pending", "running"})
+# Statuses at which fleetcuda never got to run the target's checks (not-run: a stopped rollout never started it).
+NOT_REACHED = frozenset({"unreachable", "interrupted", "pending", "running", "not-run"})
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,9 @@ def to_junit(info: RunInfo, results: list[TargetResult]) -> str:
 
     drift and failed checks carry a <failure> with the expectation, what was found and the output tail;
     skipped checks a <skipped/>; a target that could not be checked (unreachable, interrupted, or stopped
-    by an error outside its checks) gets one extra testcase named "(target)" with an <error>.
+    by an error outside its checks) gets one extra testcase named "(target)" with an <error>; one that a
+    stopped rollout never started (not-run) that testcase with a <skipped/> saying why (the failure is
+    the batch's, reported on its own targets).
     """
     root = ET.Element("testsuites", {"name": _xml_text(f"fleetcuda {info.mode} {info.recipe_name}")})
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -235,7 +237,13 @@ def to_junit(info: RunInfo, results: list[TargetResult]) -> str:
                 counts["skipped"] += 1
                 ET.SubElement(case, "skipped", {"message": _xml_text(step.detail)} if step.detail else {})
         explained = any(s.status in FAILING for s in result.steps)
-        if result.status in NOT_REACHED or ((result.error or result.status in FAILING) and not explained):
+        if result.status == "not-run":
+            case = ET.SubElement(suite, "testcase", {"classname": _xml_text(result.target), "name": TARGET_CASE,
+                                                     "time": f"{result.duration:.3f}"})
+            counts["tests"] += 1
+            counts["skipped"] += 1
+            ET.SubElement(case, "skipped", {"message": _xml_text(result.error or "not started")})
+        elif result.status in NOT_REACHED or ((result.error or result.status in FAILING) and not explained):
             case = ET.SubElement(suite, "testcase", {"classname": _xml_text(result.target), "name": TARGET_CASE,
                                                      "time": f"{result.duration:.3f}"})
             counts["tests"] += 1

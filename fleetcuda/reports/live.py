@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 STATUS_STYLE = {
     "ok": "green", "changed": "yellow", "skipped": "dim", "would-change": "cyan", "drift": "red",
     "failed": "bold red", "unreachable": "bold red", "interrupted": "magenta", "locked": "bold red",
+    "not-run": "yellow",
 }
 
 
@@ -31,6 +32,7 @@ class Reporter:
     """Hooks the engine calls from its worker threads; implementations must be thread-safe."""
 
     def start(self, mode: str, recipe: str, targets: list[str]) -> None: ...
+    def batch_started(self, name: str, targets: list[str]) -> None: ...  # --canary/--serial: from the main thread
     def target_started(self, target: str) -> None: ...
     def step_started(self, target: str, step: str, phase: str) -> None: ...
     def output(self, target: str, step: str, line: str) -> None: ...
@@ -55,6 +57,9 @@ class PlainReporter(Reporter):
     def start(self, mode: str, recipe: str, targets: list[str]) -> None:
         from fleetcuda.redact import printable  # the recipe's path is the user's: any bytes a file name holds
         self._line(printable(f"{mode} {recipe} on {len(targets)} target(s): {', '.join(targets)}"))
+
+    def batch_started(self, name: str, targets: list[str]) -> None:
+        self._line(f"{name}: {', '.join(targets)}")
 
     def step_started(self, target: str, step: str, phase: str) -> None:
         self._line(f"{target} {step}: {phase}")
@@ -102,6 +107,10 @@ class RichReporter(Reporter):
                 table.add_row(Text(t), Text(status, style=style), Text(str(row["step"])), elapsed,
                               Text(str(row["last"])))
         return table
+
+    def batch_started(self, name: str, targets: list[str]) -> None:
+        # Above the live table, which stays: the rows of later batches wait as pending.
+        self.console.print(Text.assemble((name, "bold"), f": {', '.join(targets)}"), highlight=False)
 
     def target_started(self, target: str) -> None:
         with self.lock:
@@ -153,7 +162,15 @@ def summary(results: list[TargetResult], console: Console) -> None:
             elif s.status == "would-change" and s.would_run:
                 console.print(f"{r.target}: step {s.name} would run:", highlight=False)
                 console.print(f"    {s.would_run}", markup=False, highlight=False, soft_wrap=True)
-        if r.error:
+        if r.error and r.status != "not-run":
             console.print(Text.assemble((r.target, "bold red"), f": {r.status}: {r.error}"), highlight=False)
         if r.status in ("failed", "unreachable", "drift", "interrupted", "locked") and r.log:
             console.print(f"    full log: {r.log}", markup=False, highlight=False)
+    # A stopped rollout: one line per reason, not one per target of a large fleet.
+    not_run: dict[str, list[str]] = {}
+    for r in results:
+        if r.status == "not-run":
+            not_run.setdefault(r.error or "not started", []).append(r.target)
+    for why, names in not_run.items():
+        console.print(Text.assemble((", ".join(names), "bold"), ": ", ("not-run", STATUS_STYLE["not-run"]),
+                                    f": {why}"), highlight=False)

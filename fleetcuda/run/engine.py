@@ -41,6 +41,7 @@ from fleetcuda.run.locking import LockKeeper
 from fleetcuda.run.locking import TargetLocked as TargetLocked
 from fleetcuda.run.locks import LOCK_REFRESH_S, TargetLock
 from fleetcuda.run.retry import Sleep
+from fleetcuda.run.rollout import Batch
 from fleetcuda.run.shared import SharedBuilds
 from fleetcuda.run.wheelcache import WheelCache
 from fleetcuda.state import make_run_dir as make_run_dir
@@ -52,13 +53,15 @@ Mode = Literal["apply", "check", "verify"]
 class Engine:
     """`planned`: the run's plans, made by the caller (else each target is planned when it starts);
     `lock_refresh_s`: how often held locks are refreshed (default FLEETCUDA_LOCK_REFRESH_S, else
-    LOCK_REFRESH_S); `sleep`: what waits between an apply's retries (time.sleep; tests pass one that records)."""
+    LOCK_REFRESH_S); `sleep`: what waits between an apply's retries (time.sleep; tests pass one that records);
+    `rollout`: the batches of `apply --canary/--serial` (rollout.batches; default: every target in one)."""
 
     def __init__(self, recipe: Recipe, targets: list[Target], overrides: dict[str, str], mode: Mode,
                  pool: TransportPool, reporter: Reporter, run_dir: Path, forks: int = 8,
                  home: Callable[[Target], str | None] = lambda t: None, lock: TargetLock | None = None,
                  cache: WheelCache | None = None, *, lock_refresh_s: float | None = None,
-                 sleep: Sleep = time.sleep, planned: RunPlan | None = None):
+                 sleep: Sleep = time.sleep, planned: RunPlan | None = None,
+                 rollout: list[Batch[Target]] | None = None):
         self.recipe = recipe
         self.targets = targets
         self.mode = mode
@@ -75,7 +78,8 @@ class Engine:
         self.cache = cache or WheelCache()
         self.shared = SharedBuilds(self.ctx, self.cache, sleep)
         self.converger = Converger(self.ctx, self.locks, self.shared, sleep)
-        self.executor = Executor(self.ctx, targets, overrides, forks, self.locks, self.shared, self.converger)
+        self.executor = Executor(self.ctx, targets, overrides, forks, self.locks, self.shared, self.converger,
+                                 rollout)
 
     def run(self) -> list[TargetResult]:
         return self.executor.run()

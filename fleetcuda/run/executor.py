@@ -1,4 +1,9 @@
-"""Targets in parallel, up to `forks` (round-robin across hosts), and what Ctrl-C or SIGTERM does to a run.
+"""Targets in parallel, up to `forks` (round-robin across hosts), batch after batch (`apply --canary/--serial`,
+see rollout.py), and what Ctrl-C or SIGTERM does to a run.
+
+A batch starts once the one before has ended with every target ok or changed; after one that did not, no
+other batch starts and their targets end not-run, with the reason. One run throughout: its locks' refresh,
+its shared builds (a wheel the canary built is installed by the later batches) and its connections.
 
 The first signal closes the connectors' channels, stops on each target the step that was running there (its
 run's STOP command), releases the run's locks and marks what had not ended interrupted; further signals are
@@ -19,11 +24,12 @@ from fleetcuda.plan.command import build, stop_invocation
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.planner import Plan
 from fleetcuda.plan.templating import TemplateError
-from fleetcuda.results import TargetResult, TargetStatus
+from fleetcuda.results import SUCCESS, TargetResult, TargetStatus
 from fleetcuda.run.batching import plan_target
 from fleetcuda.run.channel import Interrupted, RunContext, now, private_file
 from fleetcuda.run.converge import Converger, StepFailed, overall
 from fleetcuda.run.locking import LockKeeper, TargetLocked
+from fleetcuda.run.rollout import Batch, batches, stop_reason
 from fleetcuda.run.shared import SharedBuilds
 
 # How long, after Ctrl-C, the workers get to notice it and end.
@@ -53,9 +59,13 @@ def interleave_hosts(targets: list[Target]) -> list[Target]:
 
 class Executor:
     def __init__(self, ctx: RunContext, targets: list[Target], overrides: dict[str, str], forks: int,
-                 locks: LockKeeper, shared: SharedBuilds, converger: Converger):
+                 locks: LockKeeper, shared: SharedBuilds, converger: Converger,
+                 rollout: list[Batch[Target]] | None = None):
         self.ctx = ctx
         self.targets = targets
+        self.batches = rollout or batches(targets)
+        if sorted(t.id for b in self.batches for t in b.targets) != sorted(t.id for t in targets):
+            raise ValueError("the rollout's batches must hold each of the run's targets once")
         self.overrides = overrides
         self.forks = max(1, forks)
         self.locks = locks
@@ -71,11 +81,20 @@ class Executor:
         try:
             # Inside the try: a Ctrl-C that comes while the first targets already run is handled like any other.
             self.locks.start_refreshing()
-            for t in interleave_hosts(self.targets):
-                futures[executor.submit(self._run_target, t, results[t.id])] = t
-            pending = set(futures)
-            while pending:
-                _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for i, batch in enumerate(self.batches):
+                if len(self.batches) > 1:  # a KeyboardInterrupt in it is a Ctrl-C between batches
+                    _never_raise(self.ctx.reporter.batch_started, batch.name, [t.id for t in batch.targets])
+                submitted = {executor.submit(self._run_target, t, results[t.id]): t
+                             for t in interleave_hosts(list(batch.targets))}
+                futures.update(submitted)
+                pending = set(submitted)
+                while pending:
+                    _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                failed = [(t.id, str(results[t.id].status)) for t in batch.targets
+                          if results[t.id].status not in SUCCESS]
+                if failed and i + 1 < len(self.batches):
+                    self._not_run(self.batches[i + 1:], results, stop_reason(batch, failed))
+                    break
         except KeyboardInterrupt:
             # Close the channels, then stop what they had started on each target (closing an SSH
             # channel leaves a non-tty command running), then release the targets' locks. A second
@@ -93,7 +112,9 @@ class Executor:
             for target in self.targets:
                 self.locks.release_after_interrupt(target)
             for r in results.values():
-                if r.status in (TargetStatus.PENDING, TargetStatus.RUNNING):
+                if r.status == TargetStatus.PENDING:  # queued, or in a batch that had not started
+                    r.status, r.error = TargetStatus.INTERRUPTED, "not started: interrupted"
+                elif r.status == TargetStatus.RUNNING:
                     r.status = TargetStatus.INTERRUPTED
                 if r.target in self.stopped:
                     r.status, r.error = TargetStatus.INTERRUPTED, self.stopped[r.target]
@@ -107,6 +128,14 @@ class Executor:
                 r.status = TargetStatus.INTERRUPTED if self.interrupted else TargetStatus.FAILED
                 r.error = r.error or ("interrupted" if self.interrupted else "ended without a result")
         return [results[t.id] for t in self.targets]
+
+    def _not_run(self, later: list[Batch[Target]], results: dict[str, TargetResult], why: str) -> None:
+        """The targets of the batches after a failed one: never started, and said so (summary, reports, history)."""
+        for batch in later:
+            for t in batch.targets:
+                result = results[t.id]
+                result.status, result.error = TargetStatus.NOT_RUN, why
+                _never_raise(self.ctx.reporter.target_finished, result)
 
     def _stop_remote(self, running: dict[str, str]) -> dict[str, str]:
         """Stop, on each target, the step that was running when Ctrl-C or SIGTERM came."""
@@ -182,8 +211,8 @@ class Executor:
             log.write(f"# result: {result.status}{' - ' + result.error if result.error else ''}\n")
 
 
-def _never_raise(call: Callable[[], None]) -> None:
+def _never_raise(call: Callable[..., None], *args: object) -> None:
     try:
-        call()
+        call(*args)
     except Exception:  # a reporter must never turn a result into a traceback
         pass
