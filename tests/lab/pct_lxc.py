@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import urllib.parse
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 LAB = Path(os.environ.get("FLEETCUDA_LAB_ROOT", "/var/lib/fleetcuda-lab"))
