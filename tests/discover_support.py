@@ -8,14 +8,15 @@ from collections.abc import Callable
 from fleetcuda.connectors.base import RunResult
 from fleetcuda.connectors.fake import Call, FakeTransport, framed, ok
 
-LIST_HEADER = "%-10s %-10s %-12s %-20s\n" % ("VMID", "Status", "Lock", "Name")
+ROW = "%-10s %-10s %-12s %-20s\n"  # pct.pm's printf
+LIST_HEADER = ROW % ("VMID", "Status", "Lock", "Name")  # noqa: UP031
 
 
 def pct_list(*rows: tuple[int, str, str, str]) -> str:
     """pct list's text as pct.pm prints it (nothing at all without containers)."""
     if not rows:
         return ""
-    return LIST_HEADER + "".join("%-10s %-10s %-12s %-20s\n" % row for row in sorted(rows))
+    return LIST_HEADER + "".join(ROW % row for row in sorted(rows))
 
 
 def _payload(text: str) -> str:
@@ -44,7 +45,8 @@ def host_reply(listing: str, configs: dict[int, str | tuple[int, str, str]], lis
     return reply
 
 
-def envs_reply(*envs: tuple[str, ...], skipped: int = 0, done: bool = True, extra: str = "") -> Callable[[Call], RunResult]:
+def envs_reply(*envs: tuple[str, ...], skipped: int = 0, done: bool = True,
+               extra: str = "") -> Callable[[Call], RunResult]:
     """The container function's frames: one `pyenv` per env (kind, path, python, pyver, torch, cuda)."""
     def reply(call: Call) -> RunResult:
         out = extra + "".join(framed(call, "pyenv", *e) for e in envs)

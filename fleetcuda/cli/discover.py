@@ -177,7 +177,8 @@ def render(reports: list[HostReport], edits: dict[str, HostEdit], base: Inventor
             if found.probe_error:
                 out.append(f"{pad}python: {found.probe_error}")
             elif not found.probed:
-                why = "stopped" if found.status != "running" else "no GPU passthrough" if not found.has_gpu else "-"
+                why = ("its config was not read" if found.config_error else found.status
+                       if found.status != "running" else "no GPU passthrough")
                 out.append(f"{pad}python: not looked for ({why})")
             elif not found.envs:
                 out.append(f"{pad}python: no environment found (venvs, conda, the system's python3)")
