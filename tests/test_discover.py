@@ -612,3 +612,23 @@ def test_framing_of_the_probe_uses_the_run_nonce() -> None:
     cmd = discover.probe_command(spec, chain, 200, "0123456789abcdef")
     assert cmd.stdin == "0123456789abcdef\0" and "0123456789abcdef" not in (cmd.remote or "")
     assert cmd.argv[:3] == ("/usr/sbin/pct", "exec", "200") and framing.NONCE_REF in cmd.argv[-2]
+
+
+def test_a_bad_write_file_is_refused_before_connecting(tmp_path: Path, fake: FakeTransport) -> None:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(INVENTORY)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts:\n  pve1:\n    address: 10.9.0.1\n    colour: blue\n")
+    res = cli(tmp_path, "discover", "pve1", "-i", inv, "--write", bad)
+    assert res.code == 2 and f"{bad}:4: hosts.pve1.colour: unknown field" in res.err
+    assert fake.calls == []
+
+
+def test_a_host_behind_a_jump_host_is_not_copied_into_a_new_file(tmp_path: Path, fake: FakeTransport) -> None:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(INVENTORY.replace("    address: 10.9.0.2\n", "    address: 10.9.0.2\n    jump: pve1\n"))
+    fleet(fake)
+    out = tmp_path / "new.yaml"
+    res = cli(tmp_path, "discover", "pve2", "-i", inv, "--write", out)
+    assert res.code == 2 and "hosts.pve2: not in this file" in res.err and "jump host" in res.err
+    assert not out.exists()

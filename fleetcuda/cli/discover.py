@@ -54,12 +54,16 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
     nonce = framing.new_nonce()
     pool = TransportPool(common.transport_factory(inventory))
     chains = {t.host: t.chain for t in inventory.targets}
+    threads = ThreadPoolExecutor(max_workers=min(8, len(hosts)))
     try:
-        with ThreadPoolExecutor(max_workers=min(8, len(hosts))) as threads:
-            futures = [threads.submit(discover_host, h, inventory.spec.hosts[h], chains[h], pool.get(h), nonce)
-                       for h in hosts]
-            reports = [f.result() for f in futures]
+        futures = [threads.submit(discover_host, h, inventory.spec.hosts[h], chains[h], pool.get(h), nonce)
+                   for h in hosts]
+        reports = [f.result() for f in futures]
+    except BaseException:  # Ctrl-C: close the connections, so that no thread waits on a host any longer
+        pool.abort()
+        raise
     finally:
+        threads.shutdown(wait=False, cancel_futures=True)
         pool.close()
     edits = plan_edits(reports, base, inventory)
     if args.format == "json":

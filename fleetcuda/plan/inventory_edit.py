@@ -104,7 +104,8 @@ def merge(text: str, path: str, edits: list[HostEdit]) -> tuple[str, list[str]]:
             if not edit.add:
                 continue  # nothing but comments: no host block is made for those
             if edit.settings is None:
-                raise InputError(path, None, f"hosts.{edit.host}", "not in this file, and nothing says how to reach it")
+                raise InputError(path, None, f"hosts.{edit.host}", "not in this file, and discover copies a host's "
+                                 "settings only for an ssh host without a jump host: add the host to this file first")
             at, block = _new_host(lines, hosts_node, root, path, edit, skip_lines)
             inserts.append((at, block))
         else:
