@@ -573,6 +573,8 @@ def test_merge_after_a_block_scalar_and_without_a_final_newline() -> None:
     ("hosts:\n  h:\n    address: x\n    containers:\n", "hosts.h.containers"),
     ("shared: &c\n  100: {name: a}\nhosts:\n  h:\n    address: x\n    containers: *c\n", "hosts.h.containers"),
     ("hosts:\n  h:\n    address: x\n    containers: &c\n      100: {name: a}\n", "hosts.h.containers"),
+    ("base: &b\n  address: x\n  containers:\n    100: {name: a}\nhosts:\n  h:\n    <<: *b\n    user: root\n",
+     "hosts.h"),
 ])
 def test_merge_refuses_shapes_it_cannot_add_to_without_rewriting_them(text: str, field: str) -> None:
     from fleetcuda.errors import InputError

@@ -195,6 +195,10 @@ def _into_host(lines: list[str], text: str, path: str, edit: HostEdit, key_node:
                                                            "mapping for discover to add to it")
     _refuse_shared(text, path, field_host, key_node, host_node)
     pair = _pair(host_node, "containers")
+    if pair is None and any(k.tag == "tag:yaml.org,2002:merge" for k, _ in host_node.value):
+        raise InputError(path, _line(key_node), field_host, "takes keys from a `<<` merge: a `containers:` key "
+                                                           "written here would replace merged ones; write this "
+                                                           "host's `containers:` block in it")
     if pair is None:
         # No containers yet: a `containers:` key at the host's own indentation, after its last line.
         indent = " " * host_node.value[0][0].start_mark.column
