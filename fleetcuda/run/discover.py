@@ -21,7 +21,7 @@ from fleetcuda.plan.pve import ContainerConfig, ListedContainer, PveParseError, 
 from fleetcuda.remote import framing, shell_text
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-HOST_TIMEOUT_S = 120
+HOST_TIMEOUT_S = 600  # a pct call is a perl start on Proxmox (about a second): one per container
 PROBE_TIMEOUT_S = 60
 _ABS_PATH = re.compile(ABS_PATH.removeprefix(r"\A").removesuffix(r"\z"))
 _WORD = re.compile(r"[A-Za-z0-9.+_-]{1,64}")
