@@ -35,7 +35,7 @@ EMITTER = re.compile(r"# >>> fleetcuda frame emitter\n.*?# <<< fleetcuda frame e
 def test_the_catalog_is_the_files_byte_for_byte() -> None:
     catalog = remote.catalog()
     assert set(catalog) == {"fingerprint", "import_check", "arch_patch", "doctor_probe", "fast_path_gate", "pyserver",
-                            "detect_archs", "fetch", "lock", "stop"}
+                            "detect_archs", "fetch", "lock", "stop", "discover_probe"}
     for name, prog in catalog.items():
         filename, language = remote.PROGRAMS[name]
         assert prog.text == (PACKAGE / filename).read_text(), name

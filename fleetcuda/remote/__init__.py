@@ -31,6 +31,7 @@ PROGRAMS: dict[str, tuple[str, Language]] = {
     "fetch": ("fetch.sh", "bash"),
     "lock": ("lock.sh", "bash"),
     "stop": ("stop.sh", "bash"),
+    "discover_probe": ("discover_probe.sh", "bash"),
 }
 
 # The heredoc delimiter of a Python program; no program may contain it as a line of its own.

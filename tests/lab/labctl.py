@@ -551,6 +551,49 @@ def ensure_container(host: LabHost, vmid: int) -> None:
     ]))
 
 
+# Each container's Proxmox config, LAB/hosts/<host>/pve/<vmid>.conf (what /etc/pve/lxc/<vmid>.conf is on Proxmox),
+# which the pct stand-in's `list` and `config` read. GPU passthrough in the forms operators use: PVE 8's device
+# entries (devN), and the older cgroup rule plus bind mounts; 301 has none.
+PVE_HOSTNAMES = {200: "train-a0", 201: "train-a1", 202: "train-a2", 300: "train-b0", 301: "train-b1"}
+PVE_DEV_FORM = ["dev0: /dev/nvidia0", "dev1: /dev/nvidiactl", "dev2: /dev/nvidia-uvm", "dev3: /dev/nvidia-uvm-tools"]
+PVE_GPU: dict[int, list[str]] = {
+    200: PVE_DEV_FORM,
+    201: ["dev0: /dev/nvidia0,gid=44,mode=0666", "dev1: /dev/nvidiactl,gid=44,mode=0666",
+          "dev2: /dev/nvidia-uvm,gid=44,mode=0666", "dev3: /dev/nvidia-uvm-tools,gid=44,mode=0666"],
+    202: PVE_DEV_FORM,
+    300: ["lxc.cgroup2.devices.allow: c 195:* rwm", "lxc.cgroup2.devices.allow: c 508:* rwm",
+          *(f"lxc.mount.entry: /dev/{d} dev/{d} none bind,optional,create=file"
+            for d in ("nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"))],
+    301: [],
+}
+
+
+def pve_conf_text(vmid: int) -> str:
+    """A config as Proxmox writes one (write_pct_config): description as comments, options sorted, raw lxc.* last."""
+    gpu = PVE_GPU.get(vmid, PVE_DEV_FORM)
+    options = [
+        "arch: amd64", "cores: 8", *(line for line in gpu if line.startswith("dev")), "features: nesting=1",
+        f"hostname: {PVE_HOSTNAMES.get(vmid, f'ct{vmid}')}", "memory: 32768",
+        f"net0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:00:{vmid // 100:02X}:{vmid % 100:02X},ip=dhcp,type=veth",
+        "ostype: debian", f"rootfs: local-lvm:vm-{vmid}-disk-0,size=64G", "swap: 512", "unprivileged: 1",
+    ]
+    raw = [line for line in gpu if line.startswith("lxc.")]
+    head = [f"#fleetcuda lab%3A container {vmid} (a stand-in, not Proxmox)"]
+    return "\n".join([*head, *sorted(options), *raw, ""])
+
+
+def ensure_pve_conf(host: LabHost, vmid: int) -> None:
+    """Written once: what an operator (or a test) changes in it stays."""
+    path = host.dir / "pve" / f"{vmid}.conf"
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(pve_conf_text(vmid))
+    tmp.chmod(0o640)  # /etc/pve/lxc/*.conf: root:www-data 0640
+    tmp.rename(path)
+
+
 def state(host: LabHost, vmid: int) -> str:
     out = in_ns(host, "lxc-info", "-P", host.dir / "lxc", "-n", str(vmid), "-s", "-H", check=False)
     return out.stdout.strip()
@@ -615,6 +658,7 @@ def up(topology: str = "default") -> None:
         ensure_sshd(host)
         for vmid in host.running + host.stopped:
             ensure_container(host, vmid)
+            ensure_pve_conf(host, vmid)
             if vmid in host.running:
                 start(host, vmid)
             else:

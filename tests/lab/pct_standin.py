@@ -2,7 +2,9 @@
 
 The fixture installs a copy with an absolute ``/usr/bin/python3`` shebang and
 STATE_DIR filled in.  A container is ``STATE_DIR/<vmid>.conf`` holding a
-``status: running|stopped`` line and optionally ``name: X``.  Containers are
+``status: running|stopped`` line and optionally ``name: X``; any other ``key: value`` lines there are its
+Proxmox options (``dev0: /dev/nvidia0``, ``lxc.cgroup2.devices.allow: c 195:* rwm``), which ``config`` prints
+as pct does (options sorted, raw ``lxc.*`` keys last, ``name`` as ``hostname``).  Containers are
 not isolated: ``exec`` runs the command on this machine.  Every invocation is
 appended as one JSON line to ``STATE_DIR/calls.jsonl``.
 """
@@ -20,6 +22,7 @@ USAGE = """\
 USAGE: pct <COMMAND> [ARGS] [OPTIONS]
 
        pct list
+       pct config <vmid>
        pct start <vmid>
        pct status <vmid>
        pct stop <vmid>
@@ -62,23 +65,37 @@ def parse_vmid(args: list[str], command: str) -> int:
     return vmid
 
 
-def read_conf(vmid: int) -> dict[str, str]:
+def conf_lines(vmid: int) -> list[tuple[str, str]]:
     path = state() / f"{vmid}.conf"
     if not path.is_file():
         node = socket.gethostname().split(".")[0]
         raise PctError(f"Configuration file 'nodes/{node}/lxc/{vmid}.conf' does not exist")
-    conf: dict[str, str] = {}
+    lines = []
     for line in path.read_text(encoding="utf-8").splitlines():
         key, sep, value = line.partition(":")
         if sep:
-            conf[key.strip()] = value.strip()
-    return conf
+            lines.append((key.strip(), value.strip()))
+    return lines
+
+
+def read_conf(vmid: int) -> dict[str, str]:
+    return {key: value for key, value in conf_lines(vmid) if not key.startswith("lxc.")}
+
+
+def cmd_config(vmid: int) -> None:
+    """pct.pm's config printer: options sorted (name is the hostname), then raw lxc.* keys in file order."""
+    lines = conf_lines(vmid)
+    options = {("hostname" if k == "name" else k): v for k, v in lines if not k.startswith("lxc.") and k != "status"}
+    for key in sorted(options, key=lambda k: k.encode()):
+        sys.stdout.write(f"{key}: {options[key]}\n")
+    for key, value in lines:
+        if key.startswith("lxc."):
+            sys.stdout.write(f"{key}: {value}\n")
 
 
 def set_status(vmid: int, status: str) -> None:
-    conf = read_conf(vmid)
-    conf["status"] = status
-    body = "".join(f"{key}: {value}\n" for key, value in conf.items())
+    lines = [(k, v) for k, v in conf_lines(vmid) if k != "status"]
+    body = "".join(f"{key}: {value}\n" for key, value in [("status", status), *lines])
     (state() / f"{vmid}.conf").write_text(body, encoding="utf-8")
 
 
@@ -182,6 +199,8 @@ def main(argv: list[str]) -> int:
     record(entry)
     if command == "list":
         cmd_list()
+    elif command == "config":
+        cmd_config(parse_vmid(args, command))
     elif command == "status":
         vmid = parse_vmid(args, command)
         print(f"status: {read_conf(vmid).get('status', 'stopped')}")
