@@ -17,8 +17,9 @@ tests/lab/labctl.py). For each size (HOSTSxCONTAINERS; 2x4 and 4x16 are labctl's
      check, no framing, no lock, no report. The ratio that counts.
    - fleetcuda-verify: `fleetcuda verify RECIPE -i INV --plain`
    - fleetcuda-apply:  `fleetcuda apply RECIPE -i INV --plain` (the converged fleet: a no-op)
-   - floor-mux (and the two below: the control side only):  bash + OpenSSH, one ControlMaster connection per host, one session per container,
-     each running the exact batched `pct exec` that fleetcuda sends (planner.batch_command), all
+   - floor-mux (this and the two below measure the control side only): bash + OpenSSH, one
+     ControlMaster connection per host, one session per container, each running the exact batched
+     `pct exec` that fleetcuda sends (planner.batch_command), all
      containers at once; floor-mux-8: the same, at most 8 at once (fleetcuda's default --forks)
    - floor-1proc: bash + OpenSSH, one ssh process per host whose remote shell starts all of that
      host's batched `pct exec` commands at once
