@@ -1,9 +1,9 @@
 # What the container sees of the NVIDIA driver, read-only: run inside the container (or on a machine without
 # containers) by gpu_passthrough.py, through the same `[sudo -n] pct exec VMID -- env -i ... bash -c` as any step.
-# One line per finding, which gpu_passthrough.py parses (the last field of a node line is the open error's text):
+# One line per finding, which gpu_passthrough.py parses (the last field of a node line is the text of the open error):
 #   lib <name> ldconfig|file <path> <the file it resolves to>
 #   node <path> absent | node <path> other <type> | node <path> char <major>:<minor> ok|<strerror text>
-# Nothing here is created: a node is opened only when it exists and is a character device (bash's <> would
+# Nothing here is created: a node is opened only when it exists and is a character device (bash <> would
 # create a missing file). This file holds no single quote, so the dry run finds it inside a JSON argument.
 export LC_ALL=C
 for name in libcuda.so libnvidia-ml.so; do
