@@ -32,8 +32,8 @@ RUN = "deadbeef"
 PROGRAMS = {name: program.text for name, program in catalog().items()}
 FINGERPRINT = PROGRAMS["fingerprint"]
 DIGEST = hashlib.sha256(FINGERPRINT.encode()).hexdigest()
-GDN_STEPS = ["preflight", "gpu-passthrough", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home", "build-deps",
-             "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
+GDN_STEPS = ["preflight", "gpu-passthrough", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home",
+             "build-deps", "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
 GUTTER = re.compile(r"^\s+(\d+|\+) \| ")
 
 

@@ -132,7 +132,7 @@ def host_env(target: Target) -> dict[str, str]:
     return {"HOME": home, "LANG": "C.UTF-8", "PATH": SYSTEM_PATH}
 
 
-def _in_target_argv(target: Target, label: str) -> Callable[[str], list[str]]:
+def in_target_argv(target: Target, label: str) -> Callable[[str], list[str]]:
     """For a host step: the argv, run on the host without a shell, that runs a script inside the target
     (`[sudo -n] pct exec VMID -- env -i ... bash -c SCRIPT LABEL`, as every step's command; without containers
     just the `env -i ... bash -c`)."""
@@ -143,7 +143,7 @@ def _in_target_argv(target: Target, label: str) -> Callable[[str], list[str]]:
     return argv
 
 
-def _pct_argv(target: Target) -> Callable[[str], list[str]] | None:
+def pct_argv(target: Target) -> Callable[[str], list[str]] | None:
     pct = target.chain.pct
     if pct is None:
         return None
@@ -266,7 +266,7 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         chain = host_chain(target) if on_host else target.chain
         ctx = StepContext(values, "python3" if on_host else target.python, recipe.name)
         if step.on == "host":
-            ctx.in_target, ctx.pct = _in_target_argv(target, label), _pct_argv(target)
+            ctx.in_target, ctx.pct = in_target_argv(target, label), pct_argv(target)
         try:
             scripts = step.scripts(ctx)  # type: ignore[attr-defined]
             if step.satisfied_if:

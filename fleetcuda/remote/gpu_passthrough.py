@@ -334,6 +334,7 @@ def main(argv):
             rep.say("ok", f"host driver {driver} supports CUDA {cuda}")
 
     findings["ok"] = not rep.failures
+    findings["failures"] = [what for _, what in sorted(rep.failures, key=lambda f: f[0])]
     if _NONCE:
         emit_json("gpu", findings)
     if rep.failures:
