@@ -157,3 +157,12 @@ def test_the_planned_check_runs_here_against_this_machines_driver(tmp_path: Path
     else:
         assert res.returncode == 1, res.stdout + res.stderr
         assert out[0].startswith("FAIL no NVIDIA driver on the host") or "nvidia-smi" in out[0]
+
+
+def test_the_ansible_export_leaves_host_steps_out(tmp_path: Path) -> None:
+    from fleetcuda.export.ansible import build_export
+
+    recipe, inv, _ = plan_for(tmp_path, SUDO_HOST)
+    exp = build_export(recipe, inv.targets, {})
+    (host,) = exp.hosts
+    assert list(host.steps) == ["in-ct"]  # its connection runs commands in the container only
