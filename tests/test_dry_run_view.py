@@ -345,7 +345,7 @@ def test_json_hops_and_transfers_are_structured() -> None:
     assert "fingerprint" in causal["scripts"]["fingerprint"]["programs"]
     # The build reports its wheel in a frame: the nonce is read from stdin first.
     assert causal["scripts"]["apply"]["script"].startswith("IFS= read -r -d '' fcn\nset -e -o pipefail\n")
-    assert t["steps"][2]["retries"] == 3 and t["steps"][2]["retry_delay"] == 5.0
+    assert t["steps"][3]["retries"] == 3 and t["steps"][3]["retry_delay"] == 5.0
 
 
 # -- secrets and hostile values, in every format ------------------------------------------------------------

@@ -253,3 +253,34 @@ def test_bad_arguments_are_refused() -> None:
         load().main(["--cuda-version", "13.0"])
     with pytest.raises(SystemExit, match="is a JSON list of words"):
         load().main(["--container-probe", '"cat"'])
+
+
+def test_doctor_runs_it_on_the_host_and_says_what_it_found(tmp_path: Path) -> None:
+    from fleetcuda.plan.inventory import load_inventory
+    from fleetcuda.run import doctor
+
+    inv = tmp_path / "i.yaml"
+    inv.write_text("hosts:\n  pve:\n    address: 10.0.0.1\n    user: ops\n    sudo: true\n    containers:\n"
+                   "      200: {venv: /root/venv}\n      201: {venv: /root/venv, vars: {check_gpu: false}}\n"
+                   "  box:\n    kind: local\n")
+    with_gpu, without, local = load_inventory(inv).targets
+    cmd = doctor.gpu_command(with_gpu, "13.0")
+    assert cmd is not None and cmd.argv[:2] == ("/usr/bin/env", "-i")  # on the host: no pct exec around it
+    assert '"sudo", "-n", "--", "/usr/sbin/pct", "config", "200"' in cmd.argv[-2]
+    assert doctor.gpu_command(without, "13.0") is None  # check_gpu: false
+    # A machine without containers: the check for real, here (no NVIDIA driver on this machine, or the H200's).
+    cmd = doctor.gpu_command(local, "13.0")
+    assert cmd is not None
+    res = subprocess.run(list(cmd.argv), input=cmd.stdin, capture_output=True, text=True, timeout=120)
+    found = {f.check: f for f in doctor.gpu_findings(doctor.gpu_report(res.stdout))}
+    if Path("/proc/driver/nvidia/version").exists():
+        assert found["host NVIDIA driver"].status == "ok"
+    else:
+        assert found["host NVIDIA driver"].status == "fail" and found["GPU passthrough"].status == "fail"
+        assert found["libcuda.so"].value == "missing"
+    report = {"driver": DRIVER, "libs": {"libcuda.so": "575.57.08", "libnvidia-ml.so": "575.57.08"},
+              "failures": ["host driver 580.159.04 but the container's libcuda.so is 575.57.08: ..."]}
+    found = {f.check: f for f in doctor.gpu_findings(report)}
+    assert (found["libcuda.so"].value, found["libcuda.so"].status) == ("575.57.08", "fail")
+    assert found["GPU passthrough"].value.startswith("host driver 580.159.04 but")
+    assert doctor.gpu_report("no frames")["error"].startswith("the GPU passthrough check did not report")
