@@ -160,7 +160,8 @@ def write_inventory(size: Size) -> None:
 
     lab = yaml.safe_load((REPO / "inventories" / "lab.yaml").read_text())
     # Facts pinned (the lab image's Python is 3.11): the floors answer the same questions without reading them.
-    inv: dict = {"vars": {**lab["vars"], "python_xy": "3.11"}, "groups": {
+    # The bench topologies have no driver stand-ins (labctl puts them in the default lab only): no GPU check.
+    inv: dict = {"vars": {**lab["vars"], "python_xy": "3.11", "check_gpu": False}, "groups": {
         "zsh-login": {"members": [h.name for h in size.hosts if h.users[0].uid0]},
         "sudo-hosts": {"members": [h.name for h in size.hosts if h.users[0].sudo]},
     }, "hosts": {}}

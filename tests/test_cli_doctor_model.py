@@ -16,7 +16,8 @@ from fleetcuda.connectors.fake import Call, FakeTransport, framed, ok
 from fleetcuda.results import ExitStatus
 from tests.test_cli_inprocess import Cli
 
-INVENTORY = ("hosts:\n  h:\n    address: 10.0.0.1\n    user: root\n    containers:\n"
+# No GPU passthrough check here (its own round trip, on the host): what is counted is what --model adds.
+INVENTORY = ("vars:\n  check_gpu: false\nhosts:\n  h:\n    address: 10.0.0.1\n    user: root\n    containers:\n"
              "      201:\n        venv: /root/venv\n      202:\n        venv: /root/venv\n")
 MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 FUNCTIONS = {"causal_conv1d_fn": ("causal_conv1d", "causal_conv1d.cpp_functions.causal_conv1d_fn"),

@@ -32,8 +32,8 @@ RUN = "deadbeef"
 PROGRAMS = {name: program.text for name, program in catalog().items()}
 FINGERPRINT = PROGRAMS["fingerprint"]
 DIGEST = hashlib.sha256(FINGERPRINT.encode()).hexdigest()
-GDN_STEPS = ["preflight", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home", "build-deps",
-             "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
+GDN_STEPS = ["preflight", "gpu-passthrough", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home",
+             "build-deps", "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
 GUTTER = re.compile(r"^\s+(\d+|\+) \| ")
 
 
@@ -154,7 +154,7 @@ def test_shell_format_adds_what_apply_sends_with_when_it_sends_it() -> None:
     headers = [ln for ln in lines if ln.startswith("# round trip ") or NEW_HEADER.match(ln)]
     said = [re.match(r"# round trip \S+|# step \S+ \S+ \(\S+\): \S+", h)[0] for h in headers]  # type: ignore[index]
     assert said == ["# round trip facts", "# round trip checks",
-                    *(f"# step 8/10 causal-conv1d (sdist_build): {p}" for p in
+                    *(f"# step 9/11 causal-conv1d (sdist_build): {p}" for p in
                       ("install-dir", "host-dir", "put", "push", "install", "fetch-dir", "pull", "get", "fetch-cleanup",
                        "cleanup")),
                     "# round trip lock-refresh", "# round trip lock-release", "# round trip host-cleanup"]
@@ -198,7 +198,7 @@ def test_human_format_lines_are_short_7_bit_and_say_each_target_once(where: str,
     for tid, body in sections.items():
         assert sum(ln.startswith("  hops: ") for ln in body) == 1, tid
         assert sum(ln.startswith("  environment of every step") for ln in body) == 1, tid
-        steps = [m[1] for ln in body if (m := re.match(r"  step \d+/10 (\S+) \(", ln))]
+        steps = [m[1] for ln in body if (m := re.match(r"  step \d+/11 (\S+) \(", ln))]
         assert steps == GDN_STEPS, tid
 
 
@@ -222,7 +222,8 @@ def test_human_environment_is_listed_once_and_scripts_say_only_what_differs() ->
     text = "\n".join(body)
     assert "env adds CUDA_HOME=/usr/local/cuda-12.8" in text  # from step cuda-home on
     assert "env sets PATH=/usr/local/cuda-12.8/bin:/root/venv/bin:" in text
-    assert sum("HOME=/root" in ln for ln in body) == 1
+    # (Scripts' own lines aside: the GPU check's argv into the container names its environment.)
+    assert sum("HOME=/root" in ln for ln in body if not GUTTER.match(ln)) == 1
 
 
 def test_human_fingerprint_program_is_shown_once_and_referred_to() -> None:
@@ -271,7 +272,7 @@ def test_human_shows_raw_scripts_with_their_prologue_not_one_liners() -> None:
 
 def test_human_shows_a_repeated_command_once() -> None:
     body = target_sections(render("human", GDN, LAB, "lab-a/200"), "target ")["lab-a/200"]
-    fla = body[body.index("  step 9/10 fla-core (pip_install)"):]
+    fla = body[body.index("  step 10/11 fla-core (pip_install)"):]
     check = next(int(m[1]) for ln in fla if (m := re.match(r"    \[(\d+)\] check ", ln)))
     verify = next(i for i, ln in enumerate(fla) if re.match(r"    \[\d+\] verify ", ln))
     assert fla[verify + 1].strip().startswith(f"the same command as [{check}]")
@@ -295,7 +296,7 @@ TOP_KEYS = {"schema", "recipe", "inventory", "run_id", "programs", "targets"}
 TARGET_KEYS = {"id", "host", "container", "vmid", "hops", "environment", "facts_pending", "steps", "round_trips",
                "transfers"}
 STEP_KEYS = {"index", "number", "name", "kind", "description", "skipped", "expect", "timeout", "retries",
-             "retry_delay", "scripts"}
+             "retry_delay", "runs_on", "scripts"}
 SCRIPT_KEYS = {"phase", "runs_on", "label", "timeout", "env_changes", "stdin", "programs", "script", "line"}
 TRIP_KEYS = {"order", "what", "step", "phase", "when", "kind", "line"}
 TRANSFER_KEYS = {"order", "step", "phase", "via", "source", "destination"}
@@ -339,12 +340,12 @@ def test_json_hops_and_transfers_are_structured() -> None:
     assert t["facts_pending"] == ["python_xy"]
     assert [(m["phase"], m["via"]) for m in t["transfers"]] == [("put", "sftp"), ("push", "pct push"),
                                                                 ("pull", "pct pull"), ("get", "sftp")]
-    causal = t["steps"][7]
+    causal = t["steps"][8]
     assert causal["timeout"] == 7200 and causal["retries"] == 0
     assert "fingerprint" in causal["scripts"]["fingerprint"]["programs"]
     # The build reports its wheel in a frame: the nonce is read from stdin first.
     assert causal["scripts"]["apply"]["script"].startswith("IFS= read -r -d '' fcn\nset -e -o pipefail\n")
-    assert t["steps"][2]["retries"] == 3 and t["steps"][2]["retry_delay"] == 5.0
+    assert t["steps"][3]["retries"] == 3 and t["steps"][3]["retry_delay"] == 5.0
 
 
 # -- secrets and hostile values, in every format ------------------------------------------------------------

@@ -29,8 +29,8 @@ def test_flagship_plan_for_the_example_follows_the_seeds() -> None:
     assert pending_facts(recipe, values) == ["python_xy"]
     plan = make_plan(recipe, target, values)
     steps = {s.name: s for s in plan.steps}
-    assert list(steps) == ["preflight", "host-toolchain", "cuda-keyring", "cuda-compiler", "cuda-home", "build-deps",
-                           "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
+    assert list(steps) == ["preflight", "gpu-passthrough", "host-toolchain", "cuda-keyring", "cuda-compiler",
+                           "cuda-home", "build-deps", "torch-matches-nvcc", "causal-conv1d", "fla-core", "fast-path"]
     assert "cuda-nvcc-12-8 cuda-cudart-dev-12-8" in steps["cuda-compiler"].apply.argv[-2]
     build = steps["causal-conv1d"].apply.argv
     env = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in build if "=" in a and a.isascii() and a[0].isupper()}

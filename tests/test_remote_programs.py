@@ -35,7 +35,8 @@ EMITTER = re.compile(r"# >>> fleetcuda frame emitter\n.*?# <<< fleetcuda frame e
 def test_the_catalog_is_the_files_byte_for_byte() -> None:
     catalog = remote.catalog()
     assert set(catalog) == {"fingerprint", "import_check", "arch_patch", "doctor_probe", "fast_path_gate", "pyserver",
-                            "detect_archs", "fetch", "lock", "stop", "discover_probe"}
+                            "gpu_passthrough", "gpu_container_probe", "detect_archs", "fetch", "lock", "stop",
+                            "discover_probe"}
     for name, prog in catalog.items():
         filename, language = remote.PROGRAMS[name]
         assert prog.text == (PACKAGE / filename).read_text(), name
@@ -133,7 +134,7 @@ def test_every_inlined_program_is_the_catalog_text_exactly(tmp_path: Path) -> No
         for body in HEREDOC.findall(script):
             assert body in texts, body[:200]
             seen.add(texts[body])
-    assert seen == {"fingerprint", "import_check", "arch_patch", "fast_path_gate"}
+    assert seen == {"fingerprint", "import_check", "arch_patch", "fast_path_gate", "gpu_passthrough"}
     sdist = next(s for s in plan.steps if s.name == "causal-conv1d")
     assert sdist.apply is not None and remote.program("detect_archs").text in sdist.apply.argv[-2]
     keyring = next(s for s in plan.steps if s.name == "cuda-keyring")

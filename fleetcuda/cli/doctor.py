@@ -6,10 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import TYPE_CHECKING
 
 from fleetcuda.cli import common
 from fleetcuda.cli.environment import Environment
 from fleetcuda.results import ExitStatus
+
+if TYPE_CHECKING:
+    from fleetcuda.connectors.base import TransportPool
+    from fleetcuda.plan.inventory import Target
 
 
 def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
@@ -42,12 +47,14 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
             try:
                 res = pool.get(t.host).run(doctor.command(t, home(t)), timeout=300, on_line=lambda line: None)
                 reports[t.id] = doctor.parse(res.output)
+                gpu_passthrough(pool, t, reports[t.id], home(t))
             except (UnreachableError, HostKeyError) as exc:
                 reports[t.id] = {"error": str(exc)}
                 code = ExitStatus.UNREACHABLE
     finally:
         pool.close()
-    found = {tid: doctor.findings(r) for tid, r in reports.items()}
+    found = {tid: doctor.findings(r) + doctor.gpu_findings(r["gpu_passthrough"]) if "gpu_passthrough" in r
+             else doctor.findings(r) for tid, r in reports.items()}
     verdicts = {tid: doctor.model_verdict(model, r) for tid, r in reports.items()} if model is not None else {}
     for tid, v in verdicts.items():  # the model's row counts like any other: a fallback fails doctor
         assert model is not None
@@ -64,3 +71,15 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
     else:
         doctor.render(found, env.console(), verdicts, model)
     return code
+
+
+def gpu_passthrough(pool: TransportPool, target: Target, report: dict, home: str | None) -> None:
+    """The GPU passthrough check, on the target's host: its findings go into the report as `gpu_passthrough`."""
+    from fleetcuda.run import doctor
+
+    torch = report.get("torch")
+    cuda = str(torch.get("cuda") or "") if isinstance(torch, dict) else ""
+    cmd = doctor.gpu_command(target, cuda, home)
+    if cmd is not None:
+        res = pool.get(target.host).run(cmd, timeout=300, on_line=lambda line: None)
+        report["gpu_passthrough"] = doctor.gpu_report(res.output)

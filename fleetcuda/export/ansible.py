@@ -291,7 +291,9 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
         plan = make_plan(recipe, target, planned_values, None, run_id=RUN_ID, nonce=EXPORT_NONCE)
         steps: dict[str, dict[str, Any]] = {}
         for step in plan.steps:
-            if step.skipped:
+            # A step on the Proxmox host (`on: host`, e.g. the GPU passthrough check) is not exported: the
+            # playbook's connection (proxmox_pct_remote) runs commands in the container; `fleetcuda verify` checks it.
+            if step.skipped or step.on_host:
                 continue
             steps[step.name] = _step_commands(exp, target, step, placeholders)
         _refuse_clear_secrets(target, real, public, steps)

@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from fleetcuda.plan.command import (
+    SUDO,
     BuiltCommand,
+    HopChain,
     Invocation,
     _check_env_name,
     build,
@@ -64,6 +66,8 @@ class PlannedStep:
     pre_probe: Invocation | None = None
     verify_probe: Invocation | None = None
     shared: SharedPlan | None = None
+    # `on: host` for a target in a container: its commands run on the host (host_chain), not in the container.
+    on_host: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,35 @@ def home_of(target: Target) -> str:
     if target.container is not None or target.spec.user == "root":
         return "/root"
     return f"/home/{target.spec.user}"
+
+
+def host_chain(target: Target) -> HopChain:
+    """Where a step with `on: host` runs: the target's host, through the same SSH hop (or locally), no pct."""
+    return HopChain(ssh=target.chain.ssh)
+
+
+def host_env(target: Target) -> dict[str, str]:
+    """A host step's environment: the SSH user's home, nothing of the container's venv."""
+    home = "/root" if target.spec.user == "root" else f"/home/{target.spec.user}"
+    return {"HOME": home, "LANG": "C.UTF-8", "PATH": SYSTEM_PATH}
+
+
+def in_target_argv(target: Target, label: str) -> Callable[[str], list[str]]:
+    """For a host step: the argv, run on the host without a shell, that runs a script inside the target
+    (`[sudo -n] pct exec VMID -- env -i ... bash -c SCRIPT LABEL`, as every step's command; without containers
+    just the `env -i ... bash -c`)."""
+    def argv(script: str) -> list[str]:
+        env = {"HOME": "/root", "LANG": "C.UTF-8", "PATH": SYSTEM_PATH}
+        inv = Invocation(script, env, timeout=120, label=label)
+        return list(build(HopChain(pct=target.chain.pct), inv).argv)
+    return argv
+
+
+def pct_argv(target: Target) -> Callable[[str], list[str]] | None:
+    pct = target.chain.pct
+    if pct is None:
+        return None
+    return lambda command: [*([SUDO, "-n", "--"] if pct.sudo else []), pct.pct, command, str(pct.vmid)]
 
 
 def base_env(target: Target, home: str | None = None) -> dict[str, str]:
@@ -227,7 +260,12 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         if skip:
             steps.append(planned)
             continue
-        ctx = StepContext(values, target.python, recipe.name)
+        label = step_label(step.name, run_id)
+        on_host = step.on == "host" and target.chain.pct is not None  # without containers, host == target
+        chain = host_chain(target) if on_host else target.chain
+        ctx = StepContext(values, "python3" if on_host else target.python, recipe.name)
+        if step.on == "host":
+            ctx.in_target, ctx.pct = in_target_argv(target, label), pct_argv(target)
         try:
             scripts = step.scripts(ctx)  # type: ignore[attr-defined]
             if step.satisfied_if:
@@ -238,6 +276,9 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
                 scripts = _or_satisfied(scripts, condition)
         except (TemplateError, ValueError) as exc:
             raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
+        if on_host and (scripts.shared is not None or scripts.exports or scripts.path_prepend):
+            raise recipe.source.error(recipe.step_loc(i, "on"), "a step on the host cannot build a shared wheel "
+                                      "nor export variables to the container's steps")
         step_env = {k: _render(recipe, recipe.step_loc(i, "env") + (k,), str(v), values)
                     for k, v in step.env.items()}
         for k, v in [*step_env.items(), *scripts.exports.items()]:
@@ -247,15 +288,17 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         full_env = {**env, **exports, **step_env}
         if prepend:
             full_env["PATH"] = ":".join(prepend) + ":" + full_env["PATH"]
-        label = step_label(step.name, run_id)
+        if on_host:  # the host's own environment, cleared the same way: nothing of the container's
+            full_env = {**host_env(target), **recipe_env, **step_env}
 
         def inv(script: str, step: StepSpec = step, env: dict[str, str] = full_env, ctx: StepContext = ctx,
                 label: str = label) -> Invocation:
             made = invocation(script, env, ctx.shell_vars, ctx.sources, secrets, timeout=step.timeout, label=label)
             return framing.with_nonce(made, nonce)  # a step script that prints frames (a shared build's)
 
-        def cmd(script: str | None, inv: Callable[[str], Invocation] = inv) -> BuiltCommand | None:
-            return build(target.chain, inv(script)) if script is not None else None
+        def cmd(script: str | None, inv: Callable[[str], Invocation] = inv,
+                chain: HopChain = chain) -> BuiltCommand | None:
+            return build(chain, inv(script)) if script is not None else None
 
         apply = scripts.apply
         if apply is not None and step.kind == "shell":
@@ -270,7 +313,8 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
         steps.append(replace(
             planned, check=cmd(scripts.check), apply=cmd(apply), verify=cmd(scripts.verify),
             expect=scripts.expect or step.description or "exit 0", shared=shared,
-            pre_probe=inv(pre) if pre is not None else None, verify_probe=inv(post) if post is not None else None))
+            pre_probe=inv(pre) if pre is not None else None, verify_probe=inv(post) if post is not None else None,
+            on_host=on_host))
     return Plan(target, MappingProxyType(dict(values)), tuple(steps), unresolved=tuple(pending_facts(recipe, values)),
                 home=home or home_of(target), secrets=tuple(sorted(secrets.values, key=len, reverse=True)),
                 run_id=run_id, nonce=nonce)
@@ -365,12 +409,13 @@ def _python_servers(plan: Plan, pythons: list[str]) -> list[str]:
     return lines
 
 
-def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None) -> BuiltCommand:
-    return batch_parts(plan, probes, lock)[0]
+def batch_command(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None, *,
+                  on_host: bool = False) -> BuiltCommand:
+    return batch_parts(plan, probes, lock, on_host=on_host)[0]
 
 
-def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]],
-                lock: TargetLock | None = None) -> tuple[BuiltCommand, dict[int, str]]:
+def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLock | None = None, *,
+                on_host: bool = False) -> tuple[BuiltCommand, dict[int, str]]:
     """The batch command, and each check's part of its script by step index (what the dry-run refers to).
 
     One round trip for many read-only checks, in one shell: each check runs in a subshell of it, with
@@ -378,11 +423,13 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]],
     `eval` (a syntax error stays that check's failure), its output framed (see framing), so no check can
     forge another's result or its own. One timeout covers the batch (the sum of the checks' own): a batch that
     does not finish is not believed, and each step then checks on its own, with its own timeout.
-    With a lock, it is taken first; and if every check passed (nothing to apply), released at once."""
+    With a lock, it is taken first; and if every check passed (nothing to apply), released at once.
+    `on_host`: the probes of steps that run on the target's host, in a batch there (never with the lock,
+    which is the container's, nor with an interpreter server: the venv is the container's)."""
     lines = ["set +e", _CLOCK, "all_ok=1"]
     if lock is not None:
         lines.append(lock.acquire(vmid_of(plan)))
-    pythons = _server_pythons(plan, probes)
+    pythons = [] if on_host else _server_pythons(plan, probes)
     lines += _python_servers(plan, pythons)
     secret_vars: dict[str, str] = framing.nonce_vars(plan.nonce)
     batch_secrets = list(secret_vars)
@@ -423,10 +470,10 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]],
         lines.append('if [ -n "$fc_pyd" ]; then kill "${fc_pypid[@]}" 2>/dev/null; rm -rf "$fc_pyd"; fi')
     lines.append(framing.frame("done", str(len(probes))))
     total = sum(p.timeout or 0 for _, p in probes) + 30 + (lock.wait_s if lock else 0)
-    env = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(plan.target.chain, Invocation("\n".join(lines), env, timeout=total,
-                                               label=internal_label("batch", plan.run_id),
-                                               secret_vars=secret_vars)), parts
+    env = host_env(plan.target) if on_host else {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
+    return build(host_chain(plan.target) if on_host else plan.target.chain,
+                 Invocation("\n".join(lines), env, timeout=total, label=internal_label("batch", plan.run_id),
+                            secret_vars=secret_vars)), parts
 
 
 @dataclass

@@ -117,6 +117,8 @@ WHEEL = "<wheel>.whl"
 CACHED_WHEEL = "<cache>/" + WHEEL  # the control machine's wheel cache (FLEETCUDA_CACHE_DIR)
 # A step's own scripts, which share its environment (the transfer phases have fleetcuda's own).
 STEP_SCRIPTS = ("check", "fingerprint", "install", "apply", "verify")
+# Target-wide round trips sent before any step.
+HEAD_SENDS = ("facts", "checks", "lock-acquire", "host-checks")
 # Phases of a step that the older dry-run did not show: the shell format's added `# step` headers.
 NEW_STEP_PHASES = ("install-dir", "host-dir", "put", "push", "install", "fetch-dir", "pull", "get",
                    "fetch-cleanup", "cleanup")
@@ -259,18 +261,25 @@ def plan_target(recipe: Recipe, target: Target, overrides: dict[str, str], home:
         sends.append(Send("facts", "read", f"first, before any step: reads {', '.join(pending)} (now 'auto' below); "
                           "read-only", facts_command(recipe, target, values, pending, home, nonce=nonce, run_id=run_id),
                           title="facts: " + ", ".join(f"{n}=auto" for n in pending)))
-    probes = [(s.index, s.pre_probe) for s in plan.steps if not s.skipped and s.pre_probe is not None]
+    every = [(s.index, s.on_host, s.pre_probe) for s in plan.steps if not s.skipped and s.pre_probe is not None]
+    probes = [(i, p) for i, on_host, p in every if not on_host]
+    host_probes = [(i, p) for i, on_host, p in every if on_host]  # one batch of their own, on the host
     batched = len(probes) >= 2
-    refs: dict[str, str] = {}
     vmid = vmid_of(plan)
-    if batched:
-        numbers = {s.index: s for s in plan.steps}
-        command, parts = batch_parts(plan, probes, lock)
+    numbers = {s.index: s for s in plan.steps}
+
+    def batch_with_refs(probes: list[tuple[int, Invocation]], **kw: object) -> tuple[BuiltCommand, dict[str, str]]:
+        command, parts = batch_parts(plan, probes, **kw)  # type: ignore[arg-type]
+        refs: dict[str, str] = {}
         for index, part in parts.items():
             step = numbers[index]
             phase = "check" if step.check is not None else "verify"
             refs[part] = (f"<step {index + 1} {step.name}: its {phase}, in a subshell with its own environment, "
                           "variables and secrets, as sent on its own below>")
+        return command, refs
+
+    if batched:
+        command, refs = batch_with_refs(probes, lock=lock)
         sends.append(Send("checks", "check", "before any step: every step's read-only check (or an assertion "
                           "step's verify) in one round trip, after taking the target's lock; if every check passes "
                           "the lock is released at once. Sent again after a take-over of a lock its dead run left",
@@ -279,9 +288,14 @@ def plan_target(recipe: Recipe, target: Target, overrides: dict[str, str], home:
         sends.append(Send("lock-acquire", "acquire", "before any step: takes the target's lock (again after a "
                           "take-over of a lock its dead run left)", lock_command(plan, lock.acquire(vmid)),
                           title="lock acquire"))
+    if len(host_probes) >= 2:
+        host_batch, host_refs = batch_with_refs(host_probes, on_host=True)
+        sends.append(Send("host-checks", "check", "before any step: the read-only checks of the steps that run on "
+                          "the host (on: host), in one round trip there; no lock (the lock is the container's)",
+                          host_batch, runs_on="host", title="host checks", refs=host_refs))
     for step in plan.steps:
         if not step.skipped:
-            sends += _step_sends(target, step, batched)
+            sends += _step_sends(target, step, len(host_probes) >= 2 if step.on_host else batched)
     sends.append(Send("lock-refresh", "refresh", f"every {LOCK_REFRESH_S} s while the lock is held, so that no "
                       "other run takes it over as stale", lock_command(plan, lock.refresh(vmid)), title="lock refresh"))
     sends.append(Send("lock-release", "release", "last, whatever happened (also after Ctrl-C): releases the lock if "
@@ -310,10 +324,11 @@ def _step_sends(target: Target, step: PlannedStep, batched: bool) -> list[Send]:
     out: list[Send] = []
 
     def add(phase: str, when: str, command: BuiltCommand, detail: str = "") -> None:
-        out.append(Send("step", phase, when, command, step=step, detail=detail))
+        out.append(Send("step", phase, when, command, step=step, detail=detail,
+                        runs_on="host" if step.on_host else "target"))
 
-    in_batch = ("in the batch of checks above; sent on its own only if an earlier step changed something"
-                if batched else "sent on its own")
+    in_batch = (f"in the batch of {'host ' if step.on_host else ''}checks above; sent on its own only if an earlier "
+                "step changed something" if batched else "sent on its own")
     if step.check is not None:
         add("check", CHECK_NOTE, step.check, in_batch)
     shared = step.shared
@@ -442,6 +457,9 @@ def _program_forms(programs: Mapping[str, str]) -> list[tuple[str, str, str]]:
             forms.append((text, name, _digest(text)))
             if quote(text) != text:
                 forms.append((quote(text), name, _digest(text)))
+            # A script inside a JSON argument (the argv a host step's program runs in the container).
+            if (escaped := json.dumps(text)[1:-1]) != text:
+                forms.append((escaped, name, _digest(text)))
     return sorted(forms, key=lambda f: len(f[0]), reverse=True)
 
 
@@ -526,8 +544,8 @@ def _human_target(view: TargetView, forms: list[tuple[str, str, str]], used: lis
         if send.step is not None:
             by_step.setdefault(send.step.index, []).append(send)
     # Target-wide round trips before the steps, then the steps in order, then the rest.
-    head = [s for s in view.sends if s.step is None and s.what in ("facts", "checks", "lock-acquire")]
-    tail = [s for s in view.sends if s.step is None and s.what not in ("facts", "checks", "lock-acquire")]
+    head = [s for s in view.sends if s.step is None and s.what in HEAD_SENDS]
+    tail = [s for s in view.sends if s.step is None and s.what not in HEAD_SENDS]
     for send in head:
         number += 1
         out += _human_send(number, send, view, forms, used, redact, seen, view.environment)
@@ -653,7 +671,7 @@ def _shell_target(view: TargetView) -> list[str]:
     for send in view.sends:
         if send.step is not None:
             by_step.setdefault(send.step.index, []).append(send)
-    for send in [s for s in view.sends if s.step is None and s.what in ("facts", "checks", "lock-acquire")]:
+    for send in [s for s in view.sends if s.step is None and s.what in HEAD_SENDS]:
         out += [f"# round trip {send.what} ({ascii_line(send.when)})", redact(send.line)]
     for step in view.plan.steps:
         head = f"# step {step.index + 1}/{total} {step.name} ({step.kind})"
@@ -668,7 +686,7 @@ def _shell_target(view: TargetView) -> list[str]:
                            f"{step.retry_delay * 8:g} s)")
         if step.apply is not None and step.verify is None and step.check is not None:
             out.append("#   (after apply, the check above is sent again as the verification)")
-    for send in [s for s in view.sends if s.step is None and s.what not in ("facts", "checks", "lock-acquire")]:
+    for send in [s for s in view.sends if s.step is None and s.what not in HEAD_SENDS]:
         out += [f"# round trip {send.what} ({ascii_line(send.when)})", redact(send.line)]
     return out
 
@@ -732,7 +750,8 @@ def _json_target(view: TargetView, forms: list[tuple[str, str, str]], used: list
         steps.append({"index": step.index, "number": step.index + 1, "name": step.name, "kind": step.kind,
                       "description": redact(view.descriptions[step.index] or ""), "skipped": step.skipped,
                       "expect": redact(step.expect), "timeout": step.timeout, "retries": step.retries,
-                      "retry_delay": step.retry_delay, "scripts": {}})
+                      "retry_delay": step.retry_delay, "runs_on": "host" if step.on_host else "target",
+                      "scripts": {}})
     round_trips: list[dict[str, object]] = []
     transfers: list[dict[str, object]] = []
     for order, send in enumerate(view.sends, 1):

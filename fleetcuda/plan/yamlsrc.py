@@ -246,6 +246,8 @@ def _build(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc, lines: dict[Loc, 
         for index, (key_node, value_node) in enumerate(node.value):
             # A non-scalar key is refused unbuilt: building it could fail on a bad scalar inside (`? [!!int x]`).
             key = _scalar(loader, key_node) if isinstance(key_node, yaml.ScalarNode) else None
+            if isinstance(key, bool) and key_node.value.lower() not in ("true", "false"):
+                key = key_node.value  # a key `on:` (a step's `on: host`) is a word, as in YAML 1.2, not YAML 1.1's true
             if not isinstance(key, (str, int, float, bool)):
                 raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
                                            problem_mark=key_node.start_mark)

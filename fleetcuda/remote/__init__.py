@@ -27,6 +27,8 @@ PROGRAMS: dict[str, tuple[str, Language]] = {
     "doctor_probe": ("doctor_probe.py", "python"),
     "fast_path_gate": ("fast_path_gate.py", "python"),
     "pyserver": ("pyserver.py", "python"),
+    "gpu_passthrough": ("gpu_passthrough.py", "python"),
+    "gpu_container_probe": ("gpu_container_probe.sh", "bash"),
     "detect_archs": ("detect_archs.sh", "bash"),
     "fetch": ("fetch.sh", "bash"),
     "lock": ("lock.sh", "bash"),

@@ -159,8 +159,13 @@ class GateRecord:
     report: Mapping[str, Any]  # fast_path_gate's findings: transformers' version and each module's gate
 
 
+@dataclass(frozen=True)
+class GpuRecord:
+    report: Mapping[str, Any]  # gpu_passthrough's findings: driver, the container's libraries and nodes, verdict
+
+
 Record = (FactRecord | CheckBegin | CheckEnd | Done | LockRecord | FingerprintRecord | WheelRecord | DoctorRecord
-          | GateRecord)
+          | GateRecord | GpuRecord)
 
 
 def _int(text: str) -> int | None:
@@ -194,11 +199,13 @@ def record(f: Frame) -> Record | None:
         return LockRecord(f.fields[0], tuple(f.fields[1:]))
     if f.kind == "wheel" and n == 2:
         return WheelRecord(f.fields[0], f.fields[1])
-    if f.kind in ("fingerprint", "doctor", "gate") and (data := _json_object(f.fields)) is not None:
+    if f.kind in ("fingerprint", "doctor", "gate", "gpu") and (data := _json_object(f.fields)) is not None:
         if f.kind == "fingerprint":
             if not all(isinstance(v, str) for v in data.values()):
                 return None
             return FingerprintRecord(data)
+        if f.kind == "gpu":
+            return GpuRecord(data)
         return DoctorRecord(data) if f.kind == "doctor" else GateRecord(data)
     return None
 

@@ -1,9 +1,10 @@
 """Read-only round trips: the target's facts (then its plan), and every check of its steps in one batch (with
-the apply lock taken in the same round trip)."""
+the apply lock taken in the same round trip); the checks of steps that run on the host in one batch there."""
 
 from __future__ import annotations
 
 from fleetcuda.connectors.base import RunResult
+from fleetcuda.plan.command import Invocation
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.planner import (
     Plan,
@@ -20,6 +21,7 @@ from fleetcuda.redact import Redactor
 from fleetcuda.run.channel import RunContext, TargetChannel
 from fleetcuda.run.diagnosis import maybe_unreachable
 from fleetcuda.run.locking import LockKeeper
+from fleetcuda.run.locks import TargetLock
 
 
 def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], channel: TargetChannel) -> Plan:
@@ -48,21 +50,34 @@ def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], chan
 
 
 def batched_checks(ctx: RunContext, locks: LockKeeper, plan: Plan, channel: TargetChannel) -> dict[int, RunResult]:
-    """Each step's read-only check (verify's probe in verify mode) by step index, from one round trip; {} when
-    there are fewer than two to batch, or the batch gave no answer (then each step checks on its own)."""
+    """Each step's read-only check (verify's probe in verify mode) by step index, from one round trip per place:
+    the container's (with the apply lock) and, for steps with `on: host`, the host's; {} for a place with fewer
+    than two to batch, or whose batch gave no answer (then each of its steps checks on its own)."""
     verify = ctx.mode == "verify"
     lock = locks.lock if ctx.mode == "apply" else None
-    probes = [(s.index, p) for s in plan.steps if not s.skipped
+    probes = [(s.index, s.on_host, p) for s in plan.steps if not s.skipped
               for p in [s.verify_probe if verify else s.pre_probe] if p is not None]
+    results = _batch(ctx, locks, plan, channel, [(i, p) for i, on_host, p in probes if not on_host], lock)
+    host = [(i, p) for i, on_host, p in probes if on_host]
+    if len(host) >= 2:
+        results.update(_batch(ctx, locks, plan, channel, host, None, on_host=True))
+    return results
+
+
+def _batch(ctx: RunContext, locks: LockKeeper, plan: Plan, channel: TargetChannel,
+           probes: list[tuple[int, Invocation]], lock: TargetLock | None, *, on_host: bool = False
+           ) -> dict[int, RunResult]:
+    verify = ctx.mode == "verify"
     if len(probes) < 2:
         if lock is not None:
             locks.acquire(plan, channel)
         return {}
-    cmd = batch_command(plan, probes, lock)
-    res = channel.exec("all-steps", "verify" if verify else "check", cmd, None)
+    cmd = batch_command(plan, probes, lock, on_host=on_host)
+    name = "host-steps" if on_host else "all-steps"
+    res = channel.exec(name, "verify" if verify else "check", cmd, None)
     if lock is not None:
         if locks.took_over_dead_lock(plan, channel, res):
-            res = channel.exec("all-steps", "check", cmd, None)
+            res = channel.exec(name, "check", cmd, None)
         locks.settle(plan, res)
     # The batch shell always ends with exit 0 after its `done` frame: any other status (a check killed it,
     # after writing frames it read the nonce for into its stdout) means its frames are not believed.

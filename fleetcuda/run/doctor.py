@@ -10,6 +10,7 @@ frames (fleetcuda.remote.framing), not text to scrape.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,8 @@ from rich.text import Text
 from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.model import FULL, GATED_DELTA_NET, LINEAR, Model
-from fleetcuda.plan.planner import base_env
-from fleetcuda.remote import framing, python_heredoc
+from fleetcuda.plan.planner import FALSY, base_env, host_chain, host_env, in_target_argv, pct_argv
+from fleetcuda.remote import framing, python_heredoc, shell_text
 
 # One nonce per process (a doctor run): its frames, never what a target prints, are believed.
 _NONCE = framing.new_nonce()
@@ -59,6 +60,45 @@ def parse(output: str, nonce: str | None = None) -> dict:
     gates = [r.report for r in found if isinstance(r, framing.GateRecord)]
     report["transformers"] = dict(gates[-1]) if gates else {"error": "the fast-path gate did not report"}
     return report
+
+
+def gpu_command(target: Target, cuda_version: str = "", home: str | None = None) -> BuiltCommand | None:
+    """The recipe's GPU passthrough check (remote/gpu_passthrough.py), on the target's host (the machine
+    itself without containers), for the CUDA the probe found in torch; None where the inventory turns it off
+    (`check_gpu: false`). `gpu_devices_required: false` (a GPU-less lab) makes the device nodes informative."""
+    if target.vars.get("check_gpu", "true").strip().lower() in FALSY:
+        return None
+    probe = in_target_argv(target, "fleetcuda-doctor")(shell_text("gpu_container_probe"))
+    args = ["--container-probe", json.dumps(probe)]
+    if (pct := pct_argv(target)) is not None:
+        args += ["--pct-config", json.dumps(pct("config"))]
+    args += ["--cuda-version", cuda_version, "--require-devices", target.vars.get("gpu_devices_required", "true")]
+    script = python_heredoc("python3", "gpu_passthrough", " ".join(quote(a) for a in args), env=framing.PYTHON_NONCE)
+    on_host = target.chain.pct is not None
+    env = host_env(target) if on_host else base_env(target, home)
+    return build(host_chain(target) if on_host else target.chain,
+                 Invocation(script, env, timeout=300, secret_vars=framing.nonce_vars(_NONCE)))
+
+
+def gpu_report(output: str, nonce: str | None = None) -> dict:
+    found = [r.report for r in framing.read(output, nonce or _NONCE) if isinstance(r, framing.GpuRecord)]
+    if not found:
+        lines = [ln for ln in output.splitlines() if ln.strip()]
+        return {"error": "the GPU passthrough check did not report: " + " / ".join(lines[-3:])}
+    return dict(found[-1])
+
+
+def gpu_findings(report: dict) -> list[Finding]:
+    """The host's driver, the container's NVIDIA libraries, and the check's verdict with what to do."""
+    if "error" in report:
+        return [Finding("GPU passthrough", str(report["error"]), "fail")]
+    out = [Finding("host NVIDIA driver", str(report.get("driver") or "none"), "ok" if report.get("driver") else "fail")]
+    for name, version in (report.get("libs") or {}).items():
+        out.append(Finding(name, str(version or "missing"),
+                           "ok" if version and version == report.get("driver") else "fail"))
+    failures = report.get("failures") or []
+    out.append(Finding("GPU passthrough", str(failures[0]) if failures else "ok", "fail" if failures else "ok"))
+    return out
 
 
 def findings(report: dict) -> list[Finding]:

@@ -3,6 +3,7 @@
 from fleetcuda.steps.apt import AptKeyringStep, AptPackagesStep
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec
 from fleetcuda.steps.envfile import EnvFileStep
+from fleetcuda.steps.gpu import GpuPassthroughStep
 from fleetcuda.steps.pip import PipInstallStep
 from fleetcuda.steps.program import ProgramStep
 from fleetcuda.steps.sdist import SdistBuildStep
@@ -16,6 +17,7 @@ KINDS: dict[str, type[StepSpec]] = {
     "pip_install": PipInstallStep,
     "sdist_build": SdistBuildStep,
     "program": ProgramStep,
+    "gpu_passthrough": GpuPassthroughStep,
 }
 
 __all__ = ["KINDS", "Scripts", "StepContext", "StepSpec"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StringConstraints
 
@@ -44,6 +44,9 @@ class StepSpec(BaseModel):
     satisfied_if: str | None = Field(
         default=None, description="shell condition that, when it holds, satisfies the step whatever its check says "
                                   "(e.g. a CUDA toolchain installed some other way)")
+    on: Literal["container", "host"] = Field(
+        default="container", description="where check/apply/verify run: in the container, or on its Proxmox host "
+                                         "(the same machine for a target without containers)")
 
 
 @dataclass
@@ -56,6 +59,11 @@ class StepContext:
     recipe: str
     shell_vars: dict[str, str] = field(default_factory=dict)  # shell variable -> value
     sources: dict[str, str] = field(default_factory=dict)  # shell variable -> the variable it comes from
+    # For a step that runs on the host: the argv, on the host, that runs a script inside the target (its
+    # `[sudo -n] pct exec VMID -- env -i ... bash -c`, or just `env -i ... bash -c` without containers), and
+    # the argv of `[sudo -n --] pct COMMAND VMID` (None without containers). Set by the planner.
+    in_target: Callable[[str], list[str]] | None = None
+    pct: Callable[[str], list[str]] | None = None
 
     def shell(self, text: str) -> str:
         """Shell text with each {{ }} as a reference to a variable the step's commands set first."""

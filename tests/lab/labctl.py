@@ -663,6 +663,8 @@ def up(topology: str = "default") -> None:
                 start(host, vmid)
             else:
                 stop(host, vmid)
+    if topology == "default":
+        gpu_standins(hosts)
     write_known_hosts(hosts, known_hosts)
     for host in hosts:
         user = host.users[0].name
@@ -678,6 +680,19 @@ def up(topology: str = "default") -> None:
         log(f"up; inventory: inventories/lab.yaml; known_hosts: {KNOWN_HOSTS}")
     else:
         log(f"{topology} up; known_hosts: {known_hosts}")
+
+
+def gpu_standins(hosts: list[LabHost]) -> None:
+    """The NVIDIA driver's stand-ins for the GPU passthrough check: tests/lab/gpu_standin.py says what they are."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_standin", HERE / "gpu_standin.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install(hosts)
+    log(f"NVIDIA driver stand-ins: {module.NVIDIA_SMI} (driver {module.DRIVER} per lab host), the libraries in "
+        "every container")
 
 
 def down(purge: bool, topology: str = "default") -> None:
