@@ -266,3 +266,34 @@ def test_doctor_model_bad_config_is_exit_2_not_an_internal_error(tmp_path: Path)
     assert res.code == 2, res.out + res.err
     assert f"{cfg}:2: layer_types[0]" in res.err
 
+
+
+def test_gpu_the_library_the_loader_uses_is_the_one_judged(tmp_path: Path) -> None:
+    # repro: `ldconfig -p` lists libcuda.so.1 twice, the loader's (first: 575.57.08) and a stale copy in a later
+    # directory (580.65.06); the probe sorts the paths and lib_version keeps the last ldconfig entry, so the check
+    # says "libcuda.so is 580.65.06" and passes while every CUDA program loads the 575 library.
+    lines = []
+    for where, version in (("a", "575.57.08"), ("z", "580.65.06")):
+        lib = tmp_path / where
+        lib.mkdir()
+        for name in ("libcuda.so", "libnvidia-ml.so"):
+            (lib / f"{name}.{version}").write_text("")
+            (lib / f"{name}.1").symlink_to(f"{name}.{version}")
+    for name in ("libcuda.so", "libnvidia-ml.so"):
+        lines += [f"{name}.1 (libc6,x86-64) => {tmp_path}/{where}/{name}.1" for where in ("a", "z")]
+    rc, out = _gpu(tmp_path, lines)
+    assert rc != 0 and "575.57.08" in out, out
+
+
+def test_gpu_dev_entries_with_path_key_are_passthrough(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # repro: `dev0: path=/dev/nvidia0` (the devN property string with its key written, which discover's pve.py
+    # reads as passthrough) makes gpu_passthrough say "container 200 has no GPU passthrough in its config".
+    from tests.test_gpu_passthrough import PVE_DEV, Host
+
+    host = Host(tmp_path)
+    host.conf.write_text(PVE_DEV.replace("dev0: /dev/nvidia0", "dev0: path=/dev/nvidia0")
+                         .replace("dev1: /dev/nvidiactl", "dev1: path=/dev/nvidiactl")
+                         .replace("dev2: /dev/nvidia-uvm", "dev2: path=/dev/nvidia-uvm"))
+    rc, lines = host.run(capsys)
+    assert not any("no GPU passthrough" in line for line in lines), lines
+    assert rc == 0, lines
