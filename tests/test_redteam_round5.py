@@ -297,3 +297,12 @@ def test_gpu_dev_entries_with_path_key_are_passthrough(tmp_path: Path, capsys: p
     rc, lines = host.run(capsys)
     assert not any("no GPU passthrough" in line for line in lines), lines
     assert rc == 0, lines
+
+
+def test_model_error_names_the_line_of_the_field_it_is_about(tmp_path: Path) -> None:
+    # repro: a qwen3_next config with a nested object holding the same key first ({"mtp": {"num_hidden_layers": 1}})
+    # and a bad top-level "num_hidden_layers": -3 on line 4: the error says line 3 (the nested key's line).
+    text = '{\n "model_type": "qwen3_next",\n "mtp": {"num_hidden_layers": 1},\n "num_hidden_layers": -3\n}\n'
+    with pytest.raises(InputError) as err:
+        read_model(_config(tmp_path, text))
+    assert (err.value.line, err.value.field) == (4, "num_hidden_layers")
