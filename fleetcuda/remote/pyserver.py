@@ -137,6 +137,7 @@ def _become_streams(fds: list[int]) -> None:
     for n, fd in enumerate(fds):
         os.dup2(fd, n)
         os.close(fd)
+    os.closerange(3, 1 << 16)  # the server's inbox and wake-up pipe are not the check's
     sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
 
 
