@@ -140,6 +140,42 @@ def test_missing_or_wrong_fields_name_file_line_and_field(tmp_path: Path, doc: d
     assert str(error_of(d)).startswith(f"{where}: {says}")
 
 
+def test_a_key_given_twice_is_named_with_both_lines(tmp_path: Path) -> None:
+    # json keeps the last of two; a config saying two things of one field is refused wherever the key is
+    text = '{"model_type": "qwen3_next", "num_hidden_layers": 4,\n "rope": {"theta": 1,\n  "theta": 2}}\n'
+    assert str(error_of(write_config(tmp_path, text))) == \
+        f"{tmp_path}/model/config.json:3: rope.theta: given twice (also on line 2): json would keep only the last"
+    same_name = '{"model_type": "qwen3_next", "num_hidden_layers": 4, "a": {"num_hidden_layers": 4}}'
+    assert read_model(str(write_config(tmp_path, same_name, "nested"))).layers == 4  # one per object is fine
+
+
+def test_a_field_nested_under_text_config_is_named_by_its_own_line(tmp_path: Path) -> None:
+    text = '{"model_type": "qwen3_5", "num_hidden_layers": 64,\n "text_config": {\n  "num_hidden_layers": 0}}\n'
+    assert str(error_of(write_config(tmp_path, text))) == (f"{tmp_path}/model/config.json:3: "
+                                                           "text_config.num_hidden_layers: must be a positive "
+                                                           "integer, not 0")
+
+
+def test_nesting_and_numbers_beyond_a_configs_are_refused_with_their_line(tmp_path: Path) -> None:
+    head = '{"model_type": "qwen3_next", "num_hidden_layers": 4,\n "x": '
+    deep = write_config(tmp_path, head + "[" * 64 + "]" * 64 + "}", "deep")
+    assert str(error_of(deep)) == f"{deep}/config.json:2: nested deeper than 64 levels: not a model's config.json"
+    # 64 levels in all is read; brackets inside strings are text, not nesting
+    assert read_model(str(write_config(tmp_path, head + "[" * 63 + "]" * 63 + "}", "ok"))).layers == 4
+    assert read_model(str(write_config(tmp_path, head + '"' + "[" * 100 + '\\"{"}', "str"))).layers == 4
+    long = write_config(tmp_path, head + "[1,\n -" + "9" * 40 + "]}", "long")
+    assert str(error_of(long)) == f"{long}/config.json:3: x[1]: a number of 40 digits: not a value of a model's config"
+
+
+def test_a_layer_count_no_model_has_is_refused(tmp_path: Path) -> None:
+    doc = {"model_type": "qwen3_next", "num_hidden_layers": 10_001}
+    assert str(error_of(write_config(tmp_path, doc))).endswith(
+        "num_hidden_layers: 10001 is more layers than a model has (fleetcuda reads at most 10000)")
+    assert read_model(str(write_config(tmp_path, {**doc, "num_hidden_layers": 10_000}, "max"))).layers == 10_000
+    listed = write_config(tmp_path, {"model_type": "qwen3_next", "layer_types": ["full_attention"] * 10_001}, "l")
+    assert "layer_types: has 10001 entries, more layers than a model has" in str(error_of(listed))
+
+
 def test_a_weights_file_named_by_mistake_is_not_read_whole(tmp_path: Path) -> None:
     big = tmp_path / "model.safetensors"
     with big.open("wb") as f:

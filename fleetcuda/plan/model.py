@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
+from json.decoder import scanstring
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,9 @@ LINEAR, FULL = "linear_attention", "full_attention"
 # transformers' default when a config gives neither layer_types nor full_attention_interval.
 DEFAULT_INTERVAL = 4
 MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a config.json is a few KB; a weights file named by mistake is not read
+MAX_DEPTH = 64  # a config nests a few levels; json would recurse (RecursionError) on deeper text
+MAX_DIGITS = 30  # an integer longer than this is no config value (json refuses past 4300 digits, a ValueError)
+MAX_LAYERS = 10_000  # the largest models have a few hundred layers; beyond this is a mistake, not a model
 
 
 @dataclass(frozen=True)
@@ -154,98 +159,194 @@ def read_model(path: str, cwd: Path | None = None) -> Model:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(shown, None, "", f"not UTF-8 text (byte {exc.start}): not a model's config.json") from None
-    try:
-        data = json.loads(text)
+    _check_depth(shown, text)
+    try:  # an over-long integer is kept as text here; _locate refuses it with its line
+        data = json.loads(text, parse_int=lambda s: int(s) if len(s) <= MAX_DIGITS + 1 else s)
     except json.JSONDecodeError as exc:
         raise InputError(shown, exc.lineno, "", f"not valid JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(data, dict):
         raise InputError(shown, 1, "", f"a config.json holds one JSON object, not {_json_type(data)}")
-    return _model(_Doc(shown, text), data)
+    return _model(_Doc(shown, _locate(shown, text)), data)
+
+
+def _check_depth(shown: str, text: str) -> None:
+    """Refuse nesting deeper than a config has before json recurses into it (a RecursionError, not an error)."""
+    depth = 0
+    for m in _BRACKET_OR_STRING.finditer(text):
+        c = m.group()
+        if c in ("[", "{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise InputError(shown, _line(text, m.start()), "", f"nested deeper than {MAX_DEPTH} levels: not a "
+                                                                    "model's config.json")
+        elif c in ("]", "}"):
+            depth -= 1
+
+
+_BRACKET_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_WS = re.compile(r"[ \t\n\r]*")
+_NUMBER = re.compile(r"-?(\d+)(\.\d+)?([eE][-+]?\d+)?")
+FieldPath = tuple[str | int, ...]  # a field's path: object keys and list indices
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+class _Locator:
+    """Walks JSON text that json.loads accepted, noting the line of every key by its path (json gives lines only
+    for syntax errors) and refusing what json.loads takes silently: a key given twice, an over-long integer."""
+
+    def __init__(self, shown: str, text: str) -> None:
+        self.shown, self.text = shown, text
+        self.newlines = [m.start() for m in re.finditer("\n", text)]
+        self.lines: dict[FieldPath, int] = {}
+
+    def line(self, pos: int) -> int:
+        return bisect_right(self.newlines, pos - 1) + 1
+
+    def ws(self, pos: int) -> int:
+        m = _WS.match(self.text, pos)
+        assert m is not None  # matches the empty string
+        return m.end()
+
+    def value(self, pos: int, path: FieldPath) -> int:
+        """Walk the value at `pos`; the position after it."""
+        c = self.text[pos]
+        if c == "{":
+            return self.members(pos + 1, path)
+        if c == "[":
+            pos, i = self.ws(pos + 1), 0
+            if self.text[pos] == "]":
+                return pos + 1
+            while True:
+                pos = self.ws(self.value(pos, (*path, i)))
+                if self.text[pos] == "]":
+                    return pos + 1
+                pos, i = self.ws(pos + 1), i + 1  # past the comma
+        if c == '"':
+            return scanstring(self.text, pos + 1)[1]
+        m = _NUMBER.match(self.text, pos)
+        if m is not None:
+            if len(m.group(1)) > MAX_DIGITS:
+                raise InputError(self.shown, self.line(pos), _field(path), f"a number of {len(m.group(1))} digits: "
+                                                                          "not a value of a model's config")
+            return m.end()
+        word = next(w for w in ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+                    if self.text.startswith(w, pos))
+        return pos + len(word)
+
+    def members(self, pos: int, path: FieldPath) -> int:
+        seen: dict[str, int] = {}
+        pos = self.ws(pos)
+        if self.text[pos] == "}":
+            return pos + 1
+        while True:
+            key, end = scanstring(self.text, pos + 1)
+            line = self.line(pos)
+            if key in seen:
+                raise InputError(self.shown, line, _field((*path, key)), f"given twice (also on line {seen[key]}): "
+                                                                         "json would keep only the last")
+            seen[key] = self.lines[(*path, key)] = line
+            pos = self.ws(self.ws(end) + 1)  # past the colon
+            pos = self.ws(self.value(pos, (*path, key)))
+            if self.text[pos] == "}":
+                return pos + 1
+            pos = self.ws(pos + 1)  # past the comma
+
+
+def _locate(shown: str, text: str) -> dict[FieldPath, int]:
+    loc = _Locator(shown, text)
+    loc.value(loc.ws(0), ())
+    return loc.lines
+
+
+def _field(path: FieldPath) -> str:
+    """How messages name a path: text_config.layer_types[1]."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out
 
 
 @dataclass(frozen=True)
 class _Doc:
-    """The config's text, to name the line a field is on (json gives lines only for syntax errors)."""
+    """The config's name and where each of its keys is."""
 
     shown: str
-    text: str
+    lines: dict[FieldPath, int]
 
-    def error(self, field: str, message: str, within: tuple[int, int] | None = None) -> InputError:
-        return InputError(self.shown, self.line_of(field.rsplit(".", 1)[-1].split("[")[0], within), field, message)
-
-    def line_of(self, key: str, within: tuple[int, int] | None = None) -> int | None:
-        start, end = within or (0, len(self.text))
-        m = re.compile(r'"' + re.escape(key) + r'"\s*:').search(self.text, start, end)
-        return self.text.count("\n", 0, m.start()) + 1 if m else None
-
-    def span_of(self, key: str) -> tuple[int, int] | None:
-        """Where the object that is top-level `key`'s value lies in the text."""
-        for m in re.compile(r'"' + re.escape(key) + r'"\s*:\s*').finditer(self.text):
-            try:
-                _, end = json.JSONDecoder().raw_decode(self.text, m.end())
-            except json.JSONDecodeError:
-                continue
-            return m.end(), end
-        return None
+    def error(self, path: FieldPath, message: str) -> InputError:
+        # a list's entry is named by the line of the key that holds the list
+        keyed = path
+        while keyed and isinstance(keyed[-1], int):
+            keyed = keyed[:-1]
+        return InputError(self.shown, self.lines.get(keyed), _field(path), message)
 
 
 def _model(doc: _Doc, data: dict[str, Any]) -> Model:
     model_type = data.get("model_type")
     if model_type is None:
-        raise doc.error("model_type", f"missing: a transformers config.json names its model type; fleetcuda knows "
-                                      f"{known_types()}")
+        raise doc.error(("model_type",), f"missing: a transformers config.json names its model type; fleetcuda "
+                                         f"knows {known_types()}")
     if not isinstance(model_type, str):
-        raise doc.error("model_type", f"must be a string, not {_json_type(model_type)}")
+        raise doc.error(("model_type",), f"must be a string, not {_json_type(model_type)}")
     kind = KINDS.get(model_type)
     if kind is None:
-        raise doc.error("model_type", f"{_shown(model_type)} is not a model type fleetcuda knows the layers of "
-                                      f"(it knows {known_types()}); it does not guess")
+        raise doc.error(("model_type",), f"{_shown(model_type)} is not a model type fleetcuda knows the layers of "
+                                         f"(it knows {known_types()}); it does not guess")
     architectures = data.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise doc.error("architectures", "must be a list of class names")
-    fields, prefix, within = data, "", None
+        raise doc.error(("architectures",), "must be a list of class names")
+    fields, at = data, ()
     if kind.text_type is not None:
-        fields = data.get("text_config")
+        fields, at = data.get("text_config"), ("text_config",)
         if fields is None:
-            raise doc.error("text_config", f"missing: a {kind.model_type} config holds its text model's layers "
-                                           f"there (model_type {kind.text_type})")
+            raise doc.error(at, f"missing: a {kind.model_type} config holds its text model's layers there "
+                                f"(model_type {kind.text_type})")
         if not isinstance(fields, dict):
-            raise doc.error("text_config", f"must be an object, not {_json_type(fields)}")
-        prefix, within = "text_config.", doc.span_of("text_config")
+            raise doc.error(at, f"must be an object, not {_json_type(fields)}")
         nested = fields.get("model_type", kind.text_type)
         if nested != kind.text_type:
-            raise doc.error("text_config.model_type", f"{_shown(nested)}: a {kind.model_type} config's text model "
-                                                      f"is {kind.text_type}", within)
-    layer_types, derived = _layer_types(doc, fields, kind, prefix, within)
+            raise doc.error((*at, "model_type"), f"{_shown(nested)}: a {kind.model_type} config's text model is "
+                                                 f"{kind.text_type}")
+    layer_types, derived = _layer_types(doc, fields, kind, at)
     return Model(doc.shown, kind, tuple(architectures), layer_types, derived)
 
 
-def _layer_types(doc: _Doc, fields: dict[str, Any], kind: Kind, prefix: str,
-                 within: tuple[int, int] | None) -> tuple[tuple[str, ...], str]:
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _layer_types(doc: _Doc, fields: dict[str, Any], kind: Kind, at: FieldPath) -> tuple[tuple[str, ...], str]:
     n = fields.get("num_hidden_layers")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise doc.error(prefix + "num_hidden_layers", f"must be a positive integer, not {_shown(n)}", within)
+    if n is not None and not _positive(n):
+        raise doc.error((*at, "num_hidden_layers"), f"must be a positive integer, not {_shown(n)}")
+    if n is not None and n > MAX_LAYERS:  # refused before a list of that many is built
+        raise doc.error((*at, "num_hidden_layers"), f"{_shown(n)} is more layers than a model has (fleetcuda reads "
+                                                    f"at most {MAX_LAYERS})")
     given = fields.get("layer_types")
     if given is not None:
         if not isinstance(given, list) or not given:
-            raise doc.error(prefix + "layer_types", f"must be a non-empty list, not {_shown(given)}", within)
+            raise doc.error((*at, "layer_types"), f"must be a non-empty list, not {_shown(given)}")
+        if len(given) > MAX_LAYERS:
+            raise doc.error((*at, "layer_types"), f"has {len(given)} entries, more layers than a model has "
+                                                  f"(fleetcuda reads at most {MAX_LAYERS})")
         for i, t in enumerate(given):
-            if t not in PATHS:
-                raise doc.error(f"{prefix}layer_types[{i}]", f"{_shown(t)} is not a layer type of {kind.model_type} "
-                                                             f"(it has {', '.join(PATHS)})", within)
+            if not isinstance(t, str) or t not in PATHS:  # an object or a list cannot be looked up
+                raise doc.error((*at, "layer_types", i), f"{_shown(t)} is not a layer type of {kind.model_type} "
+                                                         f"(it has {', '.join(PATHS)})")
         if n is not None and n != len(given):
-            raise doc.error(prefix + "layer_types", f"has {len(given)} entries but num_hidden_layers is {n}", within)
+            raise doc.error((*at, "layer_types"), f"has {len(given)} entries but num_hidden_layers is {n}")
         return tuple(given), "layer_types"
     if n is None:
-        raise doc.error(prefix + "num_hidden_layers", "missing, and no layer_types: the number of layers is not "
-                                                      "said", within)
+        raise doc.error((*at, "num_hidden_layers"), "missing, and no layer_types: the number of layers is not said")
     interval = fields.get("full_attention_interval")
     derived = f"full_attention_interval {interval}"
     if interval is None:
         interval, derived = DEFAULT_INTERVAL, f"full_attention_interval {DEFAULT_INTERVAL} (transformers' default)"
-    elif not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-        raise doc.error(prefix + "full_attention_interval", f"must be a positive integer, not {_shown(interval)}",
-                        within)
+    elif not _positive(interval):
+        raise doc.error((*at, "full_attention_interval"), f"must be a positive integer, not {_shown(interval)}")
     return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n)), derived
 
 
