@@ -634,3 +634,47 @@ def test_a_host_behind_a_jump_host_is_not_copied_into_a_new_file(tmp_path: Path,
     res = cli(tmp_path, "discover", "pve2", "-i", inv, "--write", out)
     assert res.code == 2 and "hosts.pve2: not in this file" in res.err and "jump host" in res.err
     assert not out.exists()
+
+
+def test_merge_places_a_block_ending_in_an_alias_where_the_alias_is_written() -> None:
+    # PyYAML gives an alias the anchored node's marks: the block must end at the alias, not at the anchor.
+    text = ("hosts:\n  g:\n    address: y\n    containers:\n      100: &ct\n        venv: /v\n  h:\n    address: x\n"
+            "    containers:\n      101: *ct\n")
+    out, _ = merge(text, "f.yaml", [_add("h", 200)])
+    assert out == text + "      200:\n        name: ct200\n        venv: /root/venv\n"
+    text = "hosts:\n  g:\n    address: y\n    user: &u root\n  h:\n    address: x\n    user: *u\n  k:\n    address: z\n"
+    out, _ = merge(text, "f.yaml", [_add("h", 200)])
+    assert out == text.replace("user: *u\n", "user: *u\n    containers:\n      200:\n        name: ct200\n"
+                                             "        venv: /root/venv\n")
+
+
+def test_merge_counts_lines_as_yaml_does_with_mixed_line_breaks() -> None:
+    # One CRLF line in an LF file, a NEL, a lone CR and U+2028/U+2029 inside quoted values: YAML counts each as a
+    # line break, so the insertion place must too; the new lines end as the line before them.
+    text = ("# wiki\r\nhosts:\n  h:\n    address: x\n    vars:\n      a: \"one\u2028two\"\n"
+            "      b: \"three\u2029four\"\n      c: \"five\x85six\"\r    containers:\n      100:\n"
+            "        venv: /opt/v\n  g:\n    address: y\n")
+    out, _ = merge(text, "f.yaml", [_add("h", 200)])
+    assert out == text.replace("venv: /opt/v\n", "venv: /opt/v\n      200:\n        name: ct200\n"
+                                                 "        venv: /root/venv\n")
+    data = yaml.safe_load(out)
+    assert set(data["hosts"]["h"]["containers"]) == {100, 200} and "containers" not in data["hosts"]["g"]
+
+
+def test_merge_keeps_a_missing_final_newline_when_it_inserts_before_it() -> None:
+    text = "hosts:\n  h:\n    address: x\n    containers:\n      100: {}\n  g:\n    address: y"
+    out, _ = merge(text, "f.yaml", [_add("h", 200)])
+    assert out == text.replace("100: {}\n", "100: {}\n      200:\n        name: ct200\n        venv: /root/venv\n")
+
+
+@pytest.mark.parametrize("text, field, line", [
+    ("shared: &h\n  address: x\nhosts:\n  h: *h\n", "hosts.h", 4),
+    ("shared: &hs\n  h:\n    address: x\nhosts: *hs\n", "hosts", 4),
+])
+def test_merge_refuses_to_add_through_an_alias(text: str, field: str, line: int) -> None:
+    from fleetcuda.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        merge(text, "f.yaml", [_add("h", 200)])
+    assert err.value.field == field and "alias" in err.value.message
+    assert err.value.line == line and err.value.file == "f.yaml"

@@ -3,8 +3,11 @@
 A YAML library would drop the file's comments and redo its formatting, so this works on the text: the
 positions of the user's own nodes (PyYAML's composer, the same parser plan.yamlsrc loads with) say where a
 host's `containers:` block ends, and the new lines are inserted there, indented as the block is. Nothing
-already in the file is changed, moved or removed. Pure: text in, text out; the caller re-loads the result
-with the inventory loader before writing it (plan.inventory.load_inventory), so a bad edit is never written.
+already in the file is changed, moved or removed. Places are character offsets found from YAML's own line
+breaks (CR LF, CR, LF, NEL, U+2028, U+2029: a file may mix them), and an alias (`*x`) is placed where it is
+written, not where its anchor is (PyYAML's composer hands back the anchored node, with the anchor's marks).
+Pure: text in, text out; the caller re-loads the result with the inventory loader before writing it
+(plan.inventory.load_inventory), so a bad edit is never written.
 
 Values written are only names and paths that the inventory's own patterns accept (plan.inventory), each
 written plain when YAML reads it back as the same string, else double-quoted; what cannot be written (a name
@@ -14,6 +17,7 @@ no inventory may hold) is left out and said. Containers that are not added get a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -22,6 +26,9 @@ from fleetcuda.errors import InputError
 from fleetcuda.plan.inventory import SAFE_NAME_RE
 
 MARK = "# fleetcuda discover:"
+
+# What PyYAML's reader counts as the end of a line (yaml.reader.Reader.forward); "\r\n" is one break.
+_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
 
 
 @dataclass(frozen=True)
@@ -83,22 +90,21 @@ def shown_name(name: str | None) -> str:
 def merge(text: str, path: str, edits: list[HostEdit]) -> tuple[str, list[str]]:
     """`text` with the edits inserted, and what was done (one line each). Raises InputError (file, line, field)
     where the file's shape leaves no place to insert without changing what the user wrote."""
-    newline = "\r\n" if "\r\n" in text else "\n"
-    lines = text.split(newline)
-    ends_with_newline = text.endswith(newline) or not text
-    if ends_with_newline and lines and lines[-1] == "":
-        lines.pop()
+    starts = _line_starts(text)
     done: list[str] = []
-    # Insertions by line index, applied bottom-up so that earlier indexes stay valid.
+    # Insertions as (line index, lines); turned into character offsets at the end.
     inserts: list[tuple[int, list[str]]] = []
     root = _compose(text, path)
     hosts_node = _child(root, "hosts") if root is not None else None
+    existing = _existing_comments(text)
     for edit in edits:
-        existing = _existing_comments(lines)
         noted = [s for s in edit.skip if f"{MARK} {edit.host}/{s.vmid} " not in existing]
         skip_lines = [f"{MARK} {edit.host}/{s.vmid}{shown_name(s.name)} not added: {s.why}" for s in noted]
         if not edit.add and not skip_lines:
             continue
+        if isinstance(hosts_node, _Alias):
+            raise InputError(path, _line(hosts_node), "hosts", "is an alias (*name) of another node: adding to it "
+                                                               "would add there too; write the hosts here")
         host_pair = _pair(hosts_node, edit.host) if hosts_node is not None else None
         if host_pair is None:
             if not edit.add:
@@ -106,29 +112,83 @@ def merge(text: str, path: str, edits: list[HostEdit]) -> tuple[str, list[str]]:
             if edit.settings is None:
                 raise InputError(path, None, f"hosts.{edit.host}", "not in this file, and discover copies a host's "
                                  "settings only for an ssh host without a jump host: add the host to this file first")
-            at, block = _new_host(lines, hosts_node, root, path, edit, skip_lines)
+            at, block = _new_host(len(starts), hosts_node, root, path, edit, skip_lines)
             inserts.append((at, block))
         else:
             key_node, host_node = host_pair
-            at, block = _into_host(lines, text, path, edit, key_node, host_node, skip_lines)
+            at, block = _into_host(text, path, edit, key_node, host_node, skip_lines)
             inserts.append((at, block))
         done += [f"added {edit.host}/{c.vmid}{shown_name(c.name)}" for c in edit.add]
         done += [f"noted {edit.host}/{s.vmid} in a comment: {s.why}" for s in noted]
-    for at, block in sorted(inserts, key=lambda item: item[0], reverse=True):
-        lines[at:at] = block
-    out = newline.join(lines)
-    return (out + newline if lines else out), done
+    return _insert(text, starts, inserts), done
 
 
-def _existing_comments(lines: list[str]) -> str:
+def _line_starts(text: str) -> list[int]:
+    """The offset of each line's first character, lines counted as YAML counts them (a mark's `line` indexes
+    this); a text ending in a line break has an empty last line starting at len(text)."""
+    return [0, *(m.end() for m in _BREAK.finditer(text))]
+
+
+def _insert(text: str, starts: list[int], inserts: list[tuple[int, list[str]]]) -> str:
+    """`text` with each block of lines put at the start of its line index (past the end: at the end). Each new
+    line ends as the line before it does (a file may mix CR LF and LF), else as most of the file's lines do."""
+    crlf = text.count("\r\n")
+    default = "\r\n" if crlf > text.count("\n") - crlf else "\n"
+    out = ""
+    pos = 0
+    for index, block in sorted(inserts, key=lambda item: item[0]):  # stable: one place keeps the edits' order
+        at = starts[index] if index < len(starts) else len(text)
+        out += text[pos:at]
+        pos = at
+        if out.endswith("\r\n"):
+            newline = "\r\n"
+        elif out.endswith(("\n", "\r")):
+            newline = out[-1]
+        else:
+            newline = default
+            if out and not _BREAK.match(out[-1]):
+                out += newline  # the last line had no line break: give it one before the new lines
+        out += "".join(line + newline for line in block)
+    return out + text[pos:]
+
+
+def _existing_comments(text: str) -> str:
+    lines = _BREAK.split(text)
     return "\n".join(line.strip() + " " for line in lines if line.strip().startswith(MARK))
 
 
+class _Alias(yaml.Node):
+    """An alias (`*name`) with the marks of where it is written; `target` is the anchored node."""
+
+    id = "alias"
+
+    def __init__(self, target: yaml.Node, start_mark: yaml.Mark, end_mark: yaml.Mark) -> None:
+        super().__init__(target.tag, target.value, start_mark, end_mark)
+        self.target = target
+
+
+class _PlacingLoader(yaml.SafeLoader):
+    """SafeLoader's composer, but an alias becomes an _Alias: the anchored node itself carries the anchor's
+    marks, so a block whose last value is an alias would seem to end where the anchor is."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.get_event()
+            if event.anchor not in self.anchors:
+                raise yaml.composer.ComposerError(None, None, f"found undefined alias {event.anchor!r}",
+                                                  event.start_mark)
+            return _Alias(self.anchors[event.anchor], event.start_mark, event.end_mark)
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+
+
 def _compose(text: str, path: str) -> yaml.Node | None:
+    loader = _PlacingLoader(text)
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        return loader.get_single_node()  # type: ignore[no-any-return]
     except yaml.YAMLError as exc:  # the loader has read it already: not expected
         raise InputError(path, None, "", f"invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
 
 
 def _pair(node: yaml.Node | None, key: str) -> tuple[yaml.Node, yaml.Node] | None:
@@ -136,7 +196,8 @@ def _pair(node: yaml.Node | None, key: str) -> tuple[yaml.Node, yaml.Node] | Non
     if not isinstance(node, yaml.MappingNode):
         return None
     for k, v in node.value:
-        if isinstance(k, yaml.ScalarNode) and k.value == key and k.tag != "tag:yaml.org,2002:merge":
+        named = k.target if isinstance(k, _Alias) else k  # `*name: ...` is a key too
+        if isinstance(named, yaml.ScalarNode) and named.value == key and named.tag != "tag:yaml.org,2002:merge":
             return k, v
     return None
 
@@ -164,7 +225,7 @@ def _content_end(node: yaml.Node) -> int:
 
 def _refuse_shared(text: str, path: str, field_name: str, key: yaml.Node, value: yaml.Node) -> None:
     """An alias (`*x`) or an anchored node (`&x`) is shared with other places: adding to it would add there too."""
-    if value.start_mark.index < key.end_mark.index:
+    if isinstance(value, _Alias):
         raise InputError(path, _line(key), field_name, "is an alias (*name) of another node: adding to it would "
                                                        "add there too; write this host's own block")
     between = text[key.end_mark.index:value.start_mark.index + 1]
@@ -187,13 +248,13 @@ def _container_lines(c: NewContainer, indent: str, step: str, as_list: bool) -> 
     return [f"{indent}{c.vmid}:", *(f"{indent}{step}{b}" for b in body)]
 
 
-def _into_host(lines: list[str], text: str, path: str, edit: HostEdit, key_node: yaml.Node, host_node: yaml.Node,
+def _into_host(text: str, path: str, edit: HostEdit, key_node: yaml.Node, host_node: yaml.Node,
                skip_lines: list[str]) -> tuple[int, list[str]]:
     field_host = f"hosts.{edit.host}"
+    _refuse_shared(text, path, field_host, key_node, host_node)
     if not isinstance(host_node, yaml.MappingNode) or host_node.flow_style:
         raise InputError(path, _line(key_node), field_host, "is written in flow style ({...}): write it as a block "
                                                            "mapping for discover to add to it")
-    _refuse_shared(text, path, field_host, key_node, host_node)
     pair = _pair(host_node, "containers")
     if pair is None and any(k.tag == "tag:yaml.org,2002:merge" for k, _ in host_node.value):
         raise InputError(path, _line(key_node), field_host, "takes keys from a `<<` merge: a `containers:` key "
@@ -212,13 +273,13 @@ def _into_host(lines: list[str], text: str, path: str, edit: HostEdit, key_node:
         return _content_end(host_node), block
     ckey, cnode = pair
     field_ct = f"{field_host}.containers"
+    _refuse_shared(text, path, field_ct, ckey, cnode)
     if not isinstance(cnode, yaml.MappingNode | yaml.SequenceNode) or cnode.flow_style:
         if isinstance(cnode, yaml.ScalarNode) and cnode.value == "" and cnode.tag == "tag:yaml.org,2002:null":
             raise InputError(path, _line(ckey), field_ct, "is empty (null): write `containers: {}` as a block, or "
                                                          "remove the key, for discover to add to it")
         raise InputError(path, _line(ckey), field_ct, "is written in flow style ({...} or [...]): write it as a "
                                                      "block for discover to add to it")
-    _refuse_shared(text, path, field_ct, ckey, cnode)
     as_list = isinstance(cnode, yaml.SequenceNode)
     if as_list:
         # `- vmid: N` items at the column of the first dash.
@@ -237,14 +298,14 @@ def _into_host(lines: list[str], text: str, path: str, edit: HostEdit, key_node:
     return _content_end(cnode), block
 
 
-def _new_host(lines: list[str], hosts_node: yaml.Node | None, root: yaml.Node | None, path: str, edit: HostEdit,
+def _new_host(line_count: int, hosts_node: yaml.Node | None, root: yaml.Node | None, path: str, edit: HostEdit,
               skip_lines: list[str]) -> tuple[int, list[str]]:
     s = edit.settings
     assert s is not None
     if hosts_node is None:
         if root is not None and not (isinstance(root, yaml.MappingNode) and not root.flow_style):
             raise InputError(path, 1, "", "not a block mapping: discover cannot add a `hosts:` key to it")
-        at = _content_end(root) if root is not None else len(lines)
+        at = _content_end(root) if root is not None else line_count
         head, indent = ["hosts:"], "  "
     else:
         if not isinstance(hosts_node, yaml.MappingNode) or hosts_node.flow_style or not hosts_node.value:
