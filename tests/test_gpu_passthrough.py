@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -284,3 +285,102 @@ def test_doctor_runs_it_on_the_host_and_says_what_it_found(tmp_path: Path) -> No
     assert (found["libcuda.so"].value, found["libcuda.so"].status) == ("575.57.08", "fail")
     assert found["GPU passthrough"].value.startswith("host driver 580.159.04 but")
     assert doctor.gpu_report("no frames")["error"].startswith("the GPU passthrough check did not report")
+
+
+def lib_lines(version: str, flags: str, d: str = "/usr/lib/x86_64-linux-gnu", real: str | None = None) -> str:
+    """The probe's ldconfig lines for both libraries: `name.1` in `d`, resolving to `real` or `name.version`."""
+    return "".join(f"lib {n} ldconfig {d}/{n}.1 {real or f'{d}/{n}.{version}'} {flags}\n"
+                   for n in ("libcuda.so", "libnvidia-ml.so"))
+
+
+def test_the_loaders_abi_is_judged_not_an_i386_copy_listed_first() -> None:
+    mod = load()
+    entries = mod.parse_probe(lib_lines("575.57.08", "libc6", "/usr/lib/i386-linux-gnu")
+                              + lib_lines(DRIVER, "libc6,x86-64,OSABI:Linux3.2.0"))[0]["libcuda.so"]
+    assert mod.lib_version("libcuda.so", entries, machine="x86_64") == (DRIVER, ["575.57.08", DRIVER], None)
+    # The loader takes the first entry of its ABI, however many follow.
+    entries = mod.parse_probe(lib_lines("575.57.08", "libc6,x86-64") + lib_lines(DRIVER, "libc6,x86-64",
+                                                                                  "/opt/z"))[0]["libcuda.so"]
+    assert mod.lib_version("libcuda.so", entries, machine="x86_64")[0] == "575.57.08"
+
+
+def test_a_dangling_loader_link_fails_though_a_stale_copy_is_right(host: Host,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    arch = load().LDCONFIG_ARCH.get(platform.machine(), "x")
+    host.probe.write_text(lib_lines(DRIVER, f"libc6,{arch}", real="dangling") + libs(DRIVER).replace(
+        "ldconfig", "file").replace("/usr/lib/x86_64-linux-gnu", "/usr/local/nvidia/lib64") + NODES_OK)
+    rc, lines = host.run(capsys)
+    assert rc == 1, lines
+    assert lines[-1] == ("FAIL the container's libcuda.so.1, the one the loader uses, is /usr/lib/x86_64-linux-gnu/"
+                         "libcuda.so.1, a dangling link: the file it points to no longer exists (also found: "
+                         f"{DRIVER}): run ldconfig there, or reinstall the container's NVIDIA user-space libraries "
+                         f"at exactly {DRIVER} (the same driver .run with --no-kernel-module, or the distro's "
+                         "packages of that version), then restart the container")
+    host.probe.write_text(lib_lines(DRIVER, f"libc6,{arch}", real="absent") + NODES_OK)
+    rc, lines = host.run(capsys)
+    assert rc == 1 and any("listed by ldconfig but not there (a stale ldconfig cache)" in ln for ln in lines), lines
+
+
+def test_the_probe_says_a_dangling_link_and_keeps_ldconfigs_order(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "libcuda.so.1").symlink_to("libcuda.so.580.65.06")  # its target is gone
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "libcuda.so.575.57.08").write_text("")
+    (tmp_path / "z" / "libcuda.so.1").symlink_to("libcuda.so.575.57.08")
+    ldconfig = tmp_path / "bin" / "ldconfig"
+    ldconfig.write_text("#!/bin/sh\ncat <<'EOF'\n"
+                        f"\tlibcuda.so.1 (libc6,x86-64, OS ABI: Linux 3.2.0) => {tmp_path}/z/libcuda.so.1\n"
+                        f"\tlibcuda.so.1 (libc6,x86-64) => {tmp_path}/a/libcuda.so.1\n"
+                        f"\tlibcuda.so.1 (libc6) => {tmp_path}/gone/libcuda.so.1\nEOF\n")
+    ldconfig.chmod(0o755)
+    res = subprocess.run(["bash", str(PACKAGE / "gpu_container_probe.sh")], capture_output=True, text=True,
+                         env={"PATH": f"{tmp_path}/bin:/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("lib libcuda.so ldconfig ")] == [
+        f"lib libcuda.so ldconfig {tmp_path}/z/libcuda.so.1 {tmp_path}/z/libcuda.so.575.57.08 "
+        "libc6,x86-64,OSABI:Linux3.2.0",
+        f"lib libcuda.so ldconfig {tmp_path}/a/libcuda.so.1 dangling libc6,x86-64",
+        f"lib libcuda.so ldconfig {tmp_path}/gone/libcuda.so.1 absent libc6"]
+
+
+def test_dev_entries_by_default_key_or_path_key() -> None:
+    conf = ("dev0: path=/dev/nvidia0,gid=44\ndev1: mode=0666,path=/dev/nvidiactl\ndev2: /dev/nvidia-uvm,uid=0\n"
+            "dev3: /dev/dri/card0\ndev4: gid=44\n")
+    lines, paths, _ = load().passthrough(conf)
+    assert paths == {"/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"}
+    assert lines == conf.splitlines()[:3]
+
+
+def test_a_cuda_version_of_a_major_only_is_checked(host: Host, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, lines = host.run(capsys, cuda="13")
+    assert rc == 0 and f"ok   host driver {DRIVER} supports CUDA 13" in lines, lines
+    host.proc.write_text(PROC.format(v="575.57.08"))
+    host.probe.write_text(libs("575.57.08") + NODES_OK)
+    rc, lines = host.run(capsys, cuda="13")
+    assert rc == 1
+    assert lines[-1].startswith("FAIL host driver 575.57.08 is too old for CUDA 13 (CUDA 13.x needs 580.65.6")
+
+
+@pytest.mark.parametrize("cuda", ["thirteen", "cu130", "13.x", "13."])
+def test_a_cuda_version_it_cannot_read_fails(host: Host, capsys: pytest.CaptureFixture[str], cuda: str) -> None:
+    rc, lines = host.run(capsys, cuda=cuda)
+    assert rc == 1
+    assert lines[-1] == (f"FAIL CUDA version {cuda!r} cannot be read, so whether the driver supports it is unknown: "
+                         "give it as torch and nvcc name it, X.Y (12.8) or X (13)")
+
+
+def test_no_cuda_version_is_not_checked_and_passes(host: Host, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, lines = host.run(capsys, cuda="")
+    assert rc == 0
+    assert "info CUDA version not given: whether the driver supports it is not checked" in lines
+
+
+def test_the_step_refuses_an_unreadable_cuda_version_at_plan_time(tmp_path: Path) -> None:
+    from fleetcuda.errors import InputError
+    from tests.test_host_steps import LOCAL, plan_for
+
+    with pytest.raises(InputError, match="cuda_version 'cu130' is not a CUDA version") as err:
+        plan_for(tmp_path, LOCAL, "  - name: gpu\n    kind: gpu_passthrough\n    cuda_version: cu130\n")
+    assert err.value.line == 3
+    plan_for(tmp_path, LOCAL, "  - name: gpu\n    kind: gpu_passthrough\n    cuda_version: '13'\n")

@@ -1,20 +1,32 @@
 # What the container sees of the NVIDIA driver, read-only: run inside the container (or on a machine without
 # containers) by gpu_passthrough.py, through the same `[sudo -n] pct exec VMID -- env -i ... bash -c` as any step.
 # One line per finding, which gpu_passthrough.py parses (the last field of a node line is the text of the open error):
-#   lib <name> ldconfig|file <path> <the file it resolves to>
+#   lib <name> ldconfig <path> <the file it resolves to> <flags>   (flags as ldconfig -p gives them, e.g. libc6,x86-64)
+#   lib <name> file <path> <the file it resolves to> -
+# ldconfig lines keep the order `ldconfig -p` gives: the loader takes the first entry of a soname for its arch.
+# A path that resolves to no file (a dangling link, a stale cache entry) says `dangling` or `absent` instead.
 #   node <path> absent | node <path> other <type> | node <path> char <major>:<minor> ok|<strerror text>
 # Nothing here is created: a node is opened only when it exists and is a character device (bash <> would
 # create a missing file). This file holds no single quote, so the dry run finds it inside a JSON argument.
 export LC_ALL=C
+resolved() {
+  if [ -e "$1" ]; then
+    readlink -f -- "$1" 2>/dev/null || echo "$1"
+  elif [ -L "$1" ]; then
+    echo dangling
+  else
+    echo absent
+  fi
+}
 for name in libcuda.so libnvidia-ml.so; do
-  ldconfig -p 2>/dev/null | sed -n "s|^[[:space:]]*\(${name}[.0-9]*\) (.*) => \(/.*\)\$|\2|p" | sort -u |
-    while read -r path; do
-      echo "lib ${name} ldconfig ${path} $(readlink -f -- "${path}" 2>/dev/null || echo "${path}")"
+  ldconfig -p 2>/dev/null | sed -n "s|^[[:space:]]*${name}[.0-9]* (\([^)]*\)) => \(/.*\)\$|\1\|\2|p" |
+    while IFS="|" read -r flags path; do
+      echo "lib ${name} ldconfig ${path} $(resolved "${path}") ${flags// /}"
     done
   for dir in /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/lib /lib64 /usr/local/nvidia/lib64; do
     for path in "${dir}/${name}".*; do
-      [ -e "${path}" ] || continue
-      echo "lib ${name} file ${path} $(readlink -f -- "${path}" 2>/dev/null || echo "${path}")"
+      [ -e "${path}" ] || [ -L "${path}" ] || continue
+      echo "lib ${name} file ${path} $(resolved "${path}") -"
     done
   done
 done

@@ -1,16 +1,17 @@
 """Whether a container can use the host's NVIDIA GPUs, run on the host by the recipe's `gpu_passthrough` step
 (`on: host`) and by `fleetcuda doctor`. Read-only.
 
-    python3 - --container-probe JSON [--pct-config JSON] [--cuda-version X.Y] [--require-devices true|false]
+    python3 - --container-probe JSON [--pct-config JSON] [--cuda-version X.Y|X] [--require-devices true|false]
 
 - the host's driver version: /proc/driver/nvidia/version, else `nvidia-smi --query-gpu=driver_version`;
 - the container config's passthrough lines, from the argv `--pct-config` gives (`[sudo -n] pct config VMID`;
-  absent for a machine without containers): `devN: /dev/nvidia...` entries, or `lxc.cgroup2.devices.allow`
-  with `lxc.mount.entry` binds;
+  absent for a machine without containers): `devN: /dev/nvidia...` (or `devN: path=/dev/nvidia...`) entries,
+  or `lxc.cgroup2.devices.allow` with `lxc.mount.entry` binds;
 - what the container sees, from the argv `--container-probe` gives (gpu_container_probe.sh inside the
-  container, through `[sudo -n] pct exec VMID -- env -i ... bash -c`): libcuda.so / libnvidia-ml.so and the
-  version of the file each resolves to, and each /dev/nvidia* node: present, a character device, openable;
-- whether the driver supports the CUDA version torch and nvcc use (`--cuda-version`).
+  container, through `[sudo -n] pct exec VMID -- env -i ... bash -c`): libcuda.so / libnvidia-ml.so, judged by
+  the `.1` the dynamic loader uses (the first `ldconfig -p` entry for this machine's ABI; a dangling link is
+  broken, not a version), and each /dev/nvidia* node: present, a character device, openable;
+- whether the driver supports the CUDA version torch and nvcc use (`--cuda-version`; one it cannot read fails).
 
 Each line says `ok`, `FAIL`, `WARN` or `info`; the last line is the verdict, with what to do when it fails.
 Exit status 0 only if the host driver equals the container's libraries, the nodes open (unless
@@ -20,6 +21,7 @@ CUDA version. Given a frame nonce (FLEETCUDA_NONCE), it also reports its finding
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -28,6 +30,10 @@ import sys
 PROC_VERSION = "/proc/driver/nvidia/version"
 NVIDIA_MAJOR = 195  # /dev/nvidia0.. and /dev/nvidiactl; nvidia-uvm's major is given out at load time
 LIBS = ("libcuda.so", "libnvidia-ml.so")
+# The word `ldconfig -p` puts in an entry's flags for this machine's own ABI (`libc6,x86-64`): the loader of a
+# 64-bit program takes the first entry of a soname with it, never an i386 copy. Unknown machines: any entry.
+LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}
+CUDA_VERSION = re.compile(r"(\d+)(?:\.(\d+)(?:\.\d+)?)?")
 # NVIDIA's table of toolkit and driver versions (Linux x86_64): the oldest driver of a CUDA major (minor
 # version compatibility), and the driver each minor release shipped with (its full support).
 MAJOR_MIN = {12: (525, 60, 13), 13: (580, 65, 6)}
@@ -115,6 +121,18 @@ def host_driver(proc_version):
     return versions[0], "nvidia-smi", None
 
 
+def dev_path(value):
+    """The device path of a `devN` property string: its default key (`/dev/nvidia0,gid=44`) or `path=`
+    (the same rule as fleetcuda/plan/pve.py, copied: this program is one standard-library file)."""
+    for part in value.split(","):
+        name, eq, rest = part.partition("=")
+        if not eq:
+            return name.strip()
+        if name.strip() == "path":
+            return rest.strip()
+    return None
+
+
 def passthrough(config_text):
     """The config's lines that pass NVIDIA devices through, and the device paths they name."""
     lines, paths, majors = [], set(), set()
@@ -124,9 +142,10 @@ def passthrough(config_text):
             break
         key, _, value = line.partition(":")
         key, value = key.strip(), value.strip()
-        if re.fullmatch(r"dev\d+", key) and value.split(",")[0].startswith("/dev/nvidia"):
+        path = dev_path(value) if re.fullmatch(r"dev\d+", key) else None
+        if path is not None and path.startswith("/dev/nvidia"):
             lines.append(line)
-            paths.add(value.split(",")[0])
+            paths.add(path)
         elif key in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow"):
             m = re.fullmatch(r"c\s+(\d+|\*):\S+\s+\S*r\S*", value)
             if m:
@@ -139,12 +158,13 @@ def passthrough(config_text):
 
 
 def parse_probe(text):
-    libs = {name: [] for name in LIBS}  # name -> [(how, path, real)]
+    libs = {name: [] for name in LIBS}  # name -> [(how, path, real, ldconfig flags or "")], in the probe's order
     nodes = {}  # path -> (state, major, minor, error)
     for line in text.splitlines():
         words = line.split(" ")
-        if words[0] == "lib" and len(words) == 5 and words[1] in libs:
-            libs[words[1]].append((words[2], words[3], words[4]))
+        if words[0] == "lib" and len(words) in (5, 6) and words[1] in libs:
+            flags = words[5] if len(words) == 6 and words[5] != "-" else ""
+            libs[words[1]].append((words[2], words[3], words[4], flags))
         elif words[0] == "node" and len(words) >= 3:
             if words[2] == "char" and len(words) >= 5 and ":" in words[3]:
                 major, _, minor = words[3].partition(":")
@@ -154,20 +174,34 @@ def parse_probe(text):
     return libs, nodes
 
 
-def lib_version(name, entries):
-    """(version of the file `name.1` resolves to, every version found)."""
+def loader_entry(name, entries, machine=None):
+    """The `name.1` entry the dynamic loader uses: the first `ldconfig -p` entry of that soname for this
+    machine's ABI (the cache's order is the loader's), else the first file of that name in the library dirs."""
+    arch = LDCONFIG_ARCH.get(machine if machine is not None else platform.machine())
+    sonames = [e for e in entries if os.path.basename(e[1]) == name + ".1"]
+    for how in ("ldconfig", "file"):
+        for entry in sonames:
+            if entry[0] == how and (how == "file" or arch is None or not entry[3] or arch in entry[3].split(",")):
+                return entry
+    return None
+
+
+def lib_version(name, entries, machine=None):
+    """(version of the file the loader's `name.1` resolves to, every version found, what is wrong with the
+    loader's `name.1` when it resolves to no file: its path and `dangling` or `absent`)."""
     pattern = re.compile(re.escape(name) + r"\.(\d+\.\d+(?:\.\d+)?)")
-    found, primary = set(), None
-    for how, path, real in entries:
+    found = set()
+    for _, _, real, _ in entries:
         m = pattern.fullmatch(os.path.basename(real))
-        if not m:
-            continue
-        found.add(m.group(1))
-        if os.path.basename(path) == name + ".1" and (primary is None or how == "ldconfig"):
-            primary = m.group(1)
-    if primary is None and len(found) == 1:
-        primary = next(iter(found))
-    return primary, sorted(found)
+        if m:
+            found.add(m.group(1))
+    entry = loader_entry(name, entries, machine)
+    if entry is not None and entry[2] in ("dangling", "absent"):
+        return None, sorted(found), (entry[1], entry[2])
+    m = pattern.fullmatch(os.path.basename(entry[2])) if entry is not None else None
+    if m:
+        return m.group(1), sorted(found), None
+    return (next(iter(found)) if len(found) == 1 else None), sorted(found), None
 
 
 class Report:
@@ -259,13 +293,19 @@ def main(argv):
 
     findings["libs"] = {}
     for name in LIBS:
-        version, versions = lib_version(name, libs[name])
+        version, versions, broken = lib_version(name, libs[name])
         findings["libs"][name] = version
-        if version is None:
+        fix = "run ldconfig there" + (f", or {REINSTALL.format(v=driver)}" if driver else "")
+        if broken is not None:
+            path, how = broken
+            what = ("a dangling link: the file it points to no longer exists" if how == "dangling"
+                    else "listed by ldconfig but not there (a stale ldconfig cache)")
+            rep.say("FAIL", f"{where}'s {name}.1, the one the loader uses, is {path}, {what}"
+                    + (f" (also found: {', '.join(versions)})" if versions else "") + f": {fix}", rank=2)
+        elif version is None:
             if versions:
                 rep.say("FAIL", f"{where} has {name} at {', '.join(versions)} but no {name}.1 link to one of "
-                        f"them: run ldconfig there" + (f", or {REINSTALL.format(v=driver)}" if driver else ""),
-                        rank=2)
+                        f"them: {fix}", rank=2)
             else:
                 rep.say("FAIL", f"{where} has no {name} (the NVIDIA user-space driver libraries): "
                         + REINSTALL.format(v=driver or "the host driver's version").replace("reinstall", "install", 1),
@@ -312,14 +352,18 @@ def main(argv):
             rep.say("info", problem + " (not required: --require-devices false)")
 
     cuda = opts["cuda_version"].strip()
-    m = re.fullmatch(r"(\d+)\.(\d+)(?:\.\d+)?", cuda)
-    if not m:
-        rep.say("info", f"CUDA version {cuda or 'not given'}: whether the driver supports it is not checked")
+    m = CUDA_VERSION.fullmatch(cuda)
+    if not cuda:
+        rep.say("info", "CUDA version not given: whether the driver supports it is not checked")
+    elif not m:
+        rep.say("FAIL", f"CUDA version {cuda!r} cannot be read, so whether the driver supports it is "
+                "unknown: give it as torch and nvcc name it, X.Y (12.8) or X (13)", rank=4)
     elif driver:
-        major, minor = int(m.group(1)), int(m.group(2))
+        major = int(m.group(1))
+        minor = int(m.group(2)) if m.group(2) is not None else None
         have = version_tuple(driver)
         floor = MAJOR_MIN.get(major)
-        full = MINOR_FULL.get((major, minor))
+        full = MINOR_FULL.get((major, minor)) if minor is not None else None
         shown = ".".join(str(p) for p in floor) if floor else ""
         if floor is None:
             rep.say("WARN", f"CUDA {cuda}: no known minimum driver; not checked")

@@ -15,6 +15,7 @@ fleetcuda/remote/gpu_passthrough.py. On a target without containers, the machine
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 from pydantic import Field
@@ -30,19 +31,24 @@ HOST_PYTHON = "python3"
 class GpuPassthroughStep(StepSpec):
     kind: Literal["gpu_passthrough"]
     on: Literal["host"] = "host"
-    cuda_version: str = Field(default="", description="X.Y that torch and nvcc use; empty: not checked")
+    cuda_version: str = Field(default="", description="X.Y (or X) that torch and nvcc use; empty: not checked")
     require_devices: str | bool = Field(default=True, description="the /dev/nvidia* nodes must open (false: said only)")
 
     def scripts(self, ctx: StepContext) -> Scripts:
         if ctx.in_target is None:
             raise ValueError("gpu_passthrough is planned for the host only")
+        cuda = ctx.raw(self.cuda_version).strip()
+        if cuda and not re.fullmatch(r"\d+(?:\.\d+){0,2}", cuda):
+            # Refused at plan time, where the error names the recipe's line; the program fails on it too.
+            raise ValueError(f"cuda_version {cuda!r} is not a CUDA version: expected X.Y as torch and nvcc name "
+                             "it (12.8), or X (13)")
         args = ["--container-probe", json.dumps(ctx.in_target(shell_text("gpu_container_probe")))]
         if ctx.pct is not None:
             args += ["--pct-config", json.dumps(ctx.pct("config"))]
-        args += ["--cuda-version", ctx.raw(self.cuda_version),
+        args += ["--cuda-version", cuda,
                  "--require-devices", ctx.raw(str(self.require_devices).lower())]
         verify = python_heredoc(HOST_PYTHON, "gpu_passthrough", " ".join(quote(a) for a in args))
         expect = self.description or ("host driver = the container's libcuda/libnvidia-ml version; /dev/nvidia* "
                                       "usable; passed through in the container's config; driver supports CUDA "
-                                      + (ctx.raw(self.cuda_version) or "(not checked)"))
+                                      + (cuda or "(not checked)"))
         return Scripts(None, None, verify, expect=expect)
