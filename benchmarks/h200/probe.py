@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes.util
 import importlib.metadata as md
-import os
 import re
 import runpy
 import shutil
@@ -60,7 +59,7 @@ def main(cuda: str) -> int:
     for cc in ("gcc", "g++"):
         exe = shutil.which(cc)
         out = subprocess.run([exe, "-dumpfullversion"], capture_output=True, text=True).stdout if exe else ""
-        say(bool(exe) and 0 < int((out.split(".")[0] or "0")) <= 14, f"{cc} {out.strip()}")
+        say(bool(exe) and 0 < int(out.split(".")[0] or "0") <= 14, f"{cc} {out.strip()}")
     say(Path(sysconfig.get_paths()["include"], "Python.h").exists(), "Python.h")
     nvcc = subprocess.run([f"{home}/bin/nvcc", "--version"], capture_output=True, text=True).stdout
     say(f"release {cuda}," in nvcc and Path(home, "include", "cuda_runtime.h").exists(), f"nvcc {cuda} at {home}")
@@ -70,8 +69,12 @@ def main(cuda: str) -> int:
         say(version(name) is not None, f"{name} {version(name)}")
     say(version("causal-conv1d") == "1.7.0", f"causal-conv1d {version('causal-conv1d')}")
     say(version("fla-core") == "0.6.0", f"fla-core {version('fla-core')}")
-    import wheel, setuptools, packaging  # noqa: E401, F401  (build-deps' imports)
-    import causal_conv1d, fla  # noqa: E401, F401
+    # build-deps' imports, then the two packages' (the gate imports them again: already loaded)
+    import causal_conv1d  # noqa: F401
+    import fla  # noqa: F401
+    import packaging  # noqa: F401
+    import setuptools  # noqa: F401
+    import wheel  # noqa: F401
     sys.argv = ["fast_path_gate.py"]
     try:
         runpy.run_path(str(REPO / "fleetcuda" / "remote" / "fast_path_gate.py"), run_name="__main__")
