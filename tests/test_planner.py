@@ -172,3 +172,16 @@ def test_targets_are_started_round_robin_across_hosts(tmp_path: Path) -> None:
         for h in (1, 2)))
     order = [t.id for t in interleave_hosts(load_inventory(inv).targets)]
     assert order == ["h1/100", "h2/200", "h1/101", "h2/201", "h1/102", "h2/202"]
+
+
+def test_the_flagship_plans_for_a_gpu_machine_whose_cuda_version_is_read_from_torch() -> None:
+    """inventories/h200.yaml leaves cuda_version `auto` (a fact): planning before facts are read must not refuse it
+    (the gpu-passthrough step once did, so the H200 run stopped at exit 2 before anything was sent)."""
+    from fleetcuda.plan.planner import plan_run
+
+    recipe, inv = load_recipe(GDN), load_inventory(REPO / "inventories" / "h200.yaml")
+    run = plan_run(recipe, inv.select(None), {}, lambda t: None, run_id="r", nonce="0123456789abcdef")
+    plan = run.plans["h200"]
+    assert "cuda_version" in plan.unresolved
+    gpu = next(s for s in plan.steps if s.name == "gpu-passthrough")
+    assert gpu.verify is not None and "--cuda-version auto" in gpu.verify.argv[-2]

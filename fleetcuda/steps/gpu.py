@@ -38,7 +38,8 @@ class GpuPassthroughStep(StepSpec):
         if ctx.in_target is None:
             raise ValueError("gpu_passthrough is planned for the host only")
         cuda = ctx.raw(self.cuda_version).strip()
-        if cuda and not re.fullmatch(r"\d+(?:\.\d+){0,2}", cuda):
+        # `auto` is a fact not read yet: the target is planned again once it is (planner.plan_run).
+        if cuda and cuda != "auto" and not re.fullmatch(r"\d+(?:\.\d+){0,2}", cuda):
             # Refused at plan time, where the error names the recipe's line; the program fails on it too.
             raise ValueError(f"cuda_version {cuda!r} is not a CUDA version: expected X.Y as torch and nvcc name "
                              "it (12.8), or X (13)")
