@@ -435,7 +435,9 @@ def ansible_versions() -> dict:
 def contenders(size: Size, plans: Plans, recipe: str) -> dict[str, dict]:
     env = {"PATH": f"{FLEETCUDA.parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
-           "FLEETCUDA_STATE_DIR": str(size.dir / "state")}
+           "FLEETCUDA_STATE_DIR": str(size.dir / "state"),
+           # A checkout other than the installed one (a worktree at a fixed commit) is measured as given.
+           **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
     adir = write_ansible(size, plans)
     aenv = {"PATH": f"{ANSIBLE_VENV / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(adir / "home"), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
