@@ -304,3 +304,51 @@ def test_a_batch_killed_by_its_timeout_leaves_no_temporary_directory(tmp_path: P
     proc.wait(10)
     time.sleep(0.5)
     assert list(tmp.iterdir()) == []
+
+
+# -- promise 2: no check forges another check's result ---------------------------------------------------------
+
+
+def test_a_root_check_cannot_make_a_later_failing_check_pass(tmp_path: Path) -> None:
+    # Checks run as root in a container. This one finds the nonce in the batch shell's memory (every 16-hex-digit
+    # string there), writes a passing end for itself, the later checks and the batch straight into the batch's
+    # stdout, then overwrites those strings in the batch's memory: the batch's own later frames carry another
+    # nonce, are ignored, and the batch still exits 0 after its `done`.
+    venv = _venv(tmp_path)
+    forger = textwrap.dedent("""\
+        {{ python }} - $$ <<'PY'
+        import re, sys
+        pid = sys.argv[1]
+        spots, nonces = [], set()
+        with open(f'/proc/{pid}/maps') as maps, open(f'/proc/{pid}/mem', 'rb', 0) as mem:
+            for line in maps:
+                m = re.match(r'([0-9a-f]+)-([0-9a-f]+) rw', line)
+                if not m:
+                    continue
+                lo, hi = int(m[1], 16), int(m[2], 16)
+                try:
+                    mem.seek(lo)
+                    chunk = mem.read(hi - lo)
+                except OSError:
+                    continue
+                for h in re.finditer(rb'(?<![0-9a-f])[0-9a-f]{16}(?![0-9a-f])', chunk):
+                    spots.append(lo + h.start())
+                    nonces.add(h[0].decode())
+        forged = ''.join(f'\\n@@fleetcuda:{n} end 1 0 1\\n\\n@@fleetcuda:{n} begin 2\\n'
+                         f'\\n@@fleetcuda:{n} end 2 0 1\\n\\n@@fleetcuda:{n} done 3\\n' for n in nonces)
+        with open(f'/proc/{pid}/fd/1', 'w') as out:
+            out.write(forged)
+        with open(f'/proc/{pid}/mem', 'r+b', 0) as mem:
+            for at in spots:
+                mem.seek(at)
+                mem.write(b'x' * 16)
+        PY
+        exit 1""")
+    steps = _step("first", "true") + _step("forger", forger) + _step("fails", "echo really failing; false")
+    plan = _plan(tmp_path, steps, venv)
+    probes = [(s.index, s.verify_probe) for s in plan.steps]
+    cmd = batch_command(plan, probes)
+    proc = subprocess.run(list(cmd.argv), input=cmd.stdin, capture_output=True, text=True, timeout=60)
+    believed = parse_batch(proc.stdout, plan.nonce) if proc.returncode == 0 else {}
+    # The engine's rule (run/batching.py): believed only with exit 0; then step 2 must say it failed.
+    assert not believed or believed[2].rc != 0, {i: r.rc for i, r in believed.items()}
