@@ -68,10 +68,10 @@ def _alone(probe) -> tuple[int, str]:
 
 
 def _same(tmp_path: Path, verify: str, env: str = "", torch_init: str = "", prepare=None) -> tuple:
-    """The check `verify` (with {{ python }}; W is a fresh work directory) alone and in a batch: equal."""
+    """The check `verify` (with {{ python }}; @WORK@ is a fresh work directory) alone and in a batch: equal."""
     venv = _venv(tmp_path, torch_init)
     work = tmp_path / "w"
-    verify = verify.replace("W", str(work))
+    verify = verify.replace("@WORK@", str(work))
     # A first python check makes the batch start its server; the one under test is the second.
     steps = _step("warm", "{{ python }} -c 'import torch'") + _step("x", verify, env)
     plan = _plan(tmp_path, steps, venv)
@@ -96,30 +96,30 @@ def _same(tmp_path: Path, verify: str, env: str = "", torch_init: str = "", prep
 def test_python_appending_to_a_file_appends(tmp_path: Path) -> None:
     # The server reopens the caller's stdout through /proc/<pid>/fd/1: a new open file, offset 0, no O_APPEND.
     rc, out = _same(tmp_path, """\
-        cd W && echo first > f && {{ python }} -c 'print("second")' >> f; cat f""")
+        cd @WORK@ && echo first > f && {{ python }} -c 'print("second")' >> f; cat f""")
     assert out == "first\nsecond"
 
 
 def test_python_reading_the_rest_of_a_stdin_file(tmp_path: Path) -> None:
     # Same: /proc/<pid>/fd/0 of a file is opened again at offset 0, so python re-reads what the shell read.
     _same(tmp_path, """\
-        cd W && printf 'l1\\nl2\\n' > f
+        cd @WORK@ && printf 'l1\\nl2\\n' > f
         { read -r first; {{ python }} -c 'import sys; print(repr(sys.stdin.read()))'; } < f""")
 
 
 def test_python_stdin_from_a_file_is_seekable(tmp_path: Path) -> None:
     # sys.stdin was made by the server when its fd 0 was the heredoc pipe: seekable() stays what it was.
-    _same(tmp_path, "cd W && echo hi > f && {{ python }} -c 'import sys; print(sys.stdin.seekable(), "
+    _same(tmp_path, "cd @WORK@ && echo hi > f && {{ python }} -c 'import sys; print(sys.stdin.seekable(), "
                     "sys.stdin.tell())' < f")
 
 
 def test_python_output_after_the_shells_in_one_redirection(tmp_path: Path) -> None:
     _same(tmp_path, """\
-        cd W && { echo from-shell; {{ python }} -c 'print("from-python")'; } > f; cat f""")
+        cd @WORK@ && { echo from-shell; {{ python }} -c 'print("from-python")'; } > f; cat f""")
 
 
 def test_python_keeps_the_checks_umask(tmp_path: Path) -> None:
-    _same(tmp_path, "cd W && umask 077 && {{ python }} -c 'open(\"f\", \"w\").close()' && stat -c %a f")
+    _same(tmp_path, "cd @WORK@ && umask 077 && {{ python }} -c 'open(\"f\", \"w\").close()' && stat -c %a f")
 
 
 def test_python_keeps_the_checks_ulimit(tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ def test_python_waits_for_its_threads(tmp_path: Path) -> None:
 
 
 def test_python_flushes_a_file_it_did_not_close(tmp_path: Path) -> None:
-    rc, out = _same(tmp_path, "cd W && {{ python }} -c 'f = open(\"f\", \"w\"); f.write(\"data\")'; cat f")
+    rc, out = _same(tmp_path, "cd @WORK@ && {{ python }} -c 'f = open(\"f\", \"w\"); f.write(\"data\")'; cat f")
     assert out == "data"
 
 
@@ -194,11 +194,11 @@ def test_python_sees_exported_functions(tmp_path: Path) -> None:
 
 
 def test_python_in_a_directory_renamed_under_the_shell(tmp_path: Path) -> None:
-    _same(tmp_path, "cd W && mkdir d && cd d && mv ../d ../e && {{ python }} -c 'import os; print(os.getcwd())'")
+    _same(tmp_path, "cd @WORK@ && mkdir d && cd d && mv ../d ../e && {{ python }} -c 'import os; print(os.getcwd())'")
 
 
 def test_python_after_pwd_is_unset(tmp_path: Path) -> None:
-    _same(tmp_path, "cd W && unset PWD && {{ python }} -c 'import os; print(os.getcwd())'")
+    _same(tmp_path, "cd @WORK@ && unset PWD && {{ python }} -c 'import os; print(os.getcwd())'")
 
 
 def test_python_env_torch_reads_at_import(tmp_path: Path) -> None:
@@ -352,3 +352,50 @@ def test_a_root_check_cannot_make_a_later_failing_check_pass(tmp_path: Path) -> 
     believed = parse_batch(proc.stdout, plan.nonce) if proc.returncode == 0 else {}
     # The engine's rule (run/batching.py): believed only with exit 0; then step 2 must say it failed.
     assert not believed or believed[2].rc != 0, {i: r.rc for i, r in believed.items()}
+
+
+# -- more of promise 1 ------------------------------------------------------------------------------------------
+
+
+def test_a_command_not_found_message(tmp_path: Path) -> None:
+    # The most common failing check: bash names the script and the line; in the batch the batch's label.
+    _same(tmp_path, "no_such_command_here")
+
+
+def test_python_argument_too_long_fails_as_it_does_alone(tmp_path: Path) -> None:
+    # One argument over the kernel's 128 KiB: exec fails alone (126); the server takes it from a file.
+    _same(tmp_path, "{{ python }} -c 'import sys; print(len(sys.argv[1]))' \"$(printf '%0200000d' 0)\"; "
+                    "echo \"status $?\"")
+
+
+def test_python_non_utf8_argv_and_env(tmp_path: Path) -> None:
+    _same(tmp_path, "export BYTES=$'\\xff\\xfe='\n{{ python }} -c 'import os, sys; print(ascii(sys.argv[1:]), "
+                    "ascii(os.environ[\"BYTES\"]), os.environb[b\"BYTES\"])' $'\\xff' $'a\\nb'")
+
+
+def test_two_pythons_at_once_in_the_background(tmp_path: Path) -> None:
+    _same(tmp_path, "cd @WORK@\n{{ python }} -c 'import time; time.sleep(0.3); print(1)' > a & p1=$!\n"
+                    "{{ python }} -c 'import sys; sys.exit(4)' > b & p2=$!\n"
+                    "wait $p1; echo \"s1 $?\"; wait $p2; echo \"s2 $?\"; cat a b")
+
+
+def test_syntax_errors_stop_where_they_stop_alone(tmp_path: Path) -> None:
+    _same(tmp_path, "echo before\nif then\necho after")
+
+
+def test_python_module_traceback(tmp_path: Path) -> None:
+    _same(tmp_path, "cd @WORK@ && echo 'raise ValueError(7)' > m.py && {{ python }} -m m")
+
+
+def test_python_sys_exit_huge(tmp_path: Path) -> None:
+    _same(tmp_path, "{{ python }} -c 'import sys; sys.exit(2**40)'; echo \"status $?\"")
+
+
+def test_big_output_is_quick(tmp_path: Path) -> None:
+    # 20000 short lines (110 kB): alone a few milliseconds; the batch's `${fc_out//$'\\n'/...}` is quadratic.
+    venv = _venv(tmp_path)
+    plan = _plan(tmp_path, _step("big", "seq 1 20000"), venv)
+    start = time.monotonic()
+    got = _batch(plan)
+    assert got["big"][1].endswith("\n20000")
+    assert time.monotonic() - start < 3
