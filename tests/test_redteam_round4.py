@@ -50,14 +50,25 @@ def _step(name: str, verify: str, env: str = "") -> str:
     return text + "    verify: |\n" + textwrap.indent(textwrap.dedent(verify).strip("\n") + "\n", "      ")
 
 
-def _batch(plan, env: dict[str, str] | None = None, timeout: float = 60):
+def _batch(plan, timeout: float = 60, tmpdir: Path | None = None):
+    """Each check's (rc, output) from one real batch; on a timeout its whole process group is killed."""
     probes = [(s.index, s.verify_probe) for s in plan.steps if s.verify_probe is not None]
     cmd = batch_command(plan, probes)
-    proc = subprocess.run(list(cmd.argv), input=cmd.stdin, capture_output=True, text=True, timeout=timeout,
-                          env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    parsed = parse_batch(proc.stdout, plan.nonce)
-    assert sorted(parsed) == [s.index for s in plan.steps], proc.stdout
+    argv = list(cmd.argv)
+    if tmpdir is not None:  # where the batch makes its server's directory (the test's, so it is cleaned up)
+        argv[2:2] = [f"TMPDIR={tmpdir}"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(cmd.stdin, timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out + err
+    parsed = parse_batch(out, plan.nonce)
+    assert sorted(parsed) == [s.index for s in plan.steps], out
     return {s.name: (parsed[s.index].rc, parsed[s.index].output.rstrip("\n")) for s in plan.steps}
 
 
@@ -399,3 +410,72 @@ def test_big_output_is_quick(tmp_path: Path) -> None:
     got = _batch(plan)
     assert got["big"][1].endswith("\n20000")
     assert time.monotonic() - start < 3
+
+
+# -- the server's own failures ----------------------------------------------------------------------------------
+
+
+def test_a_torch_import_that_crashes_the_server_does_not_hang_the_batch(tmp_path: Path) -> None:
+    # The crash a check exists to find (a broken CUDA library under torch): the server dies importing torch before
+    # it opens in.0, and fc_py's `printf > in.0` blocks on the FIFO with no reader, for the batch's whole timeout.
+    venv = _venv(tmp_path, torch_init="import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    plan = _plan(tmp_path, _step("imports", "{{ python }} -c 'import torch'; echo \"status $?\"")
+                 + _step("other", "echo fine"), venv)
+    got = _batch(plan, timeout=8, tmpdir=tmp_path)
+    assert got["imports"][1].endswith("status 139")
+
+
+def test_cuda_initialised_by_the_import_runs_every_check_on_the_real_interpreter(tmp_path: Path) -> None:
+    # Held: a torch whose import starts CUDA makes the server unusable; each call falls back.
+    init = "import os\nprint('import in', os.getpid())\n"
+    venv = _venv(tmp_path, torch_init=init)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "torch" / "cuda" / "__init__.py").write_text("def is_initialized():\n    return True\n")
+    plan = _plan(tmp_path, _step("a", "{{ python }} -c 'import torch, sys; print(\"torch\" in sys.modules)'")
+                 + _step("b", "{{ python }} -c 'import sys; print(\"torch\" in sys.modules)'"), venv)
+    got = _batch(plan)
+    assert got["b"] == (0, "False") and got["a"][0] == 0
+
+
+def test_a_lost_connection_leaves_no_interpreter_server_running(tmp_path: Path) -> None:
+    # The SSH channel goes away mid-batch: the batch shell dies of SIGPIPE at its next frame, `timeout` exits
+    # with it (it kills its group only when the time is up), and the server, which writes nothing, waits forever.
+    venv = _venv(tmp_path)
+    plan = _plan(tmp_path, _step("a", "{{ python }} -c 1") + _step("b", "sleep 1"), venv)
+    probes = [(s.index, s.verify_probe) for s in plan.steps]
+    cmd = batch_command(plan, probes)
+    argv = list(cmd.argv)
+    argv[2:2] = [f"TMPDIR={tmp_path}"]  # (the server's directory in the test's, so it is cleaned up)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(cmd.stdin.encode())
+    proc.stdin.close()
+    seen = b""
+    while b" begin 1" not in seen:
+        chunk = proc.stdout.read1(4096)
+        assert chunk, seen
+        seen += chunk
+    proc.stdout.close()  # the connection is gone
+    proc.wait(15)
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-eo", "pid,args", "-ww"], capture_output=True, text=True).stdout
+    left = [line for line in ps.splitlines() if str(venv) in line and "fleetcuda-pyserver" in line]
+    for line in left:  # (the test's own clean-up)
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert left == []
+
+
+def test_an_earlier_checks_leftover_process_cannot_answer_a_later_checks_python(tmp_path: Path) -> None:
+    # Same user, no root needed: the answer FIFOs r.<pid> are in a directory whose name the check holds ($fc_pyd).
+    venv = _venv(tmp_path)
+    forger = ("( end=$((SECONDS + 5)); while [ $SECONDS -lt $end ]; do for f in \"$fc_pyd\"/r.*; do "
+              "[ -p \"$f\" ] && echo 0 > \"$f\"; done; done ) >/dev/null 2>&1 &\ntrue")
+    plan = _plan(tmp_path, _step("first", forger)
+                 + _step("fails", "sleep 0.5; {{ python }} -c 'import sys, time; time.sleep(0.5); sys.exit(1)'"), venv)
+    assert _alone(plan.steps[1].verify_probe)[0] == 1
+    got = _batch(plan)
+    assert got["fails"][0] == 1
+
+
+def test_a_check_sees_none_of_the_batchs_variables_or_functions(tmp_path: Path) -> None:
+    _same(tmp_path, "compgen -v fc_; declare -F")
