@@ -403,13 +403,14 @@ def test_python_sys_exit_huge(tmp_path: Path) -> None:
 
 
 def test_big_output_is_quick(tmp_path: Path) -> None:
-    # 20000 short lines (110 kB): alone a few milliseconds; the batch's `${fc_out//$'\\n'/...}` is quadratic.
+    # 40000 short lines (230 kB): alone a few milliseconds; the batch's `${fc_out//$'\\n'/...}` is quadratic
+    # (20000 lines: 2-6 s here, 100000: minutes). Failing means: still running after 5 s.
     venv = _venv(tmp_path)
-    plan = _plan(tmp_path, _step("big", "seq 1 20000"), venv)
+    plan = _plan(tmp_path, _step("big", "seq 1 40000"), venv)
     start = time.monotonic()
-    got = _batch(plan)
-    assert got["big"][1].endswith("\n20000")
-    assert time.monotonic() - start < 3
+    got = _batch(plan, timeout=5)
+    assert got["big"][1].endswith("\n40000")
+    assert time.monotonic() - start < 5
 
 
 # -- the server's own failures ----------------------------------------------------------------------------------
