@@ -413,6 +413,25 @@ def test_big_output_is_quick(tmp_path: Path) -> None:
     assert time.monotonic() - start < 5
 
 
+def test_a_check_with_its_own_printf_function_gets_its_python_run(tmp_path: Path) -> None:
+    # fc_py's printf calls are the check's function: the server reads no caller pid and never answers, while
+    # fc_py waits as long as the server lives, i.e. until the batch's whole timeout.
+    venv = _venv(tmp_path)
+    steps = _step("warm", "{{ python }} -c 1") + _step(
+        "x", "printf() { builtin printf \"[%s]\" \"$@\"; }\n{{ python }} -c 'print(1)'")
+    plan = _plan(tmp_path, steps, venv)
+    assert _alone(plan.steps[1].verify_probe) == (0, "1")
+    assert _batch(plan, timeout=5, tmpdir=tmp_path)["x"] == (0, "1")
+
+
+def test_a_check_with_its_own_kill_function(tmp_path: Path) -> None:
+    _same(tmp_path, "kill() { echo \"kill $*\"; }\n{{ python }} -c 'print(1)'")
+
+
+def test_a_check_with_its_own_mkfifo_function(tmp_path: Path) -> None:
+    _same(tmp_path, "mkfifo() { echo \"made $*\"; }\n{{ python }} -c 'print(1)'")
+
+
 # -- the server's own failures ----------------------------------------------------------------------------------
 
 
