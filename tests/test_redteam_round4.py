@@ -499,3 +499,12 @@ def test_an_earlier_checks_leftover_process_cannot_answer_a_later_checks_python(
 
 def test_a_check_sees_none_of_the_batchs_variables_or_functions(tmp_path: Path) -> None:
     _same(tmp_path, "compgen -v fc_; declare -F")
+
+
+def test_a_check_slower_than_its_own_timeout_does_not_pass(tmp_path: Path) -> None:
+    # Alone the check is stopped at its timeout (124, failed); the batch has one timeout, the sum plus 30 s.
+    venv = _venv(tmp_path)
+    plan = _plan(tmp_path, "  - name: slow\n    timeout: 1\n    verify: 'sleep 2.5; echo done'\n"
+                 + _step("other", "true"), venv)
+    assert _alone(plan.steps[0].verify_probe)[0] == 124
+    assert _batch(plan)["slow"][0] != 0
