@@ -214,8 +214,9 @@ def test_the_server_runs_itself_only_what_it_reproduces(argv: list[str], how: tu
 
 
 def test_the_server_reads_requests_as_the_client_writes_them() -> None:
-    data = b"/tmp\x003\x00-c\x00print(1)\x00a b\x00A=1\x00B=x=y\x00EMPTY=\x00"
-    assert pyserver.parse_request(data) == ("/tmp", ["-c", "print(1)", "a b"], {"A": "1", "B": "x=y", "EMPTY": ""})
+    data = b"t0k\x000022\x003\x00-c\x00print(1)\x00a b\x00A=1\x00B=x=y\x00EMPTY=\x00"
+    assert pyserver.parse_request(data) == ("t0k", "0022", ["-c", "print(1)", "a b"],
+                                            {"A": "1", "B": "x=y", "EMPTY": ""})
     assert pyserver.startup_view({"PYTHONPATH": "/x", "PATH": "/bin", "LC_ALL": "C", "HOME": "/root"}) == {
         "PYTHONPATH": "/x", "LC_ALL": "C", "HOME": "/root"}
 

@@ -360,20 +360,40 @@ _BASH_EXPORTS = "PATH LANG HOME"
 # interpreter that has imported torch), with this shell's environment, directory and streams; when the server
 # cannot (or is gone), the real interpreter runs instead. Builtins only, except compgen's one fork and mkfifo.
 _PY_CLIENT = r"""fc_py() {
-  local fc_n=$1 fc_v fc_fd fc_q fc_r; shift
+  local - IFS=$' \t\n' fc_n=$1 fc_v fc_fd fc_q fc_r fc_um fc_state= fc_tok; shift
+  set +x  # (local -: the check's own options come back on return) no trace of the environment sent below
   fc_q="$fc_pyd/q.$BASHPID"; fc_r="$fc_pyd/r.$BASHPID"
-  if kill -0 "${fc_pypid[fc_n]}" 2>/dev/null && mkfifo -m 600 "$fc_r" 2>/dev/null; then
-    { printf '%s\0' "$PWD" "$#" "$@"; for fc_v in $(compgen -e); do printf '%s\0' "$fc_v=${!fc_v}"; done
-      printf '%s\0' "_=${fc_pyexe[fc_n]}"; } >"$fc_q"  # what bash puts in $_ for a command it runs
-    exec {fc_fd}<>"$fc_r"
+  if builtin kill -0 "${fc_pypid[fc_n]}" 2>/dev/null && command mkfifo -m 600 "$fc_r" 2>/dev/null; then
+    fc_um=$(builtin umask)
+    fc_tok=${SRANDOM:-$RANDOM}${RANDOM}$BASHPID  # the server's answers to this call carry it; other lines are not
+    builtin umask 077  # the request holds the check's environment: private, as the directory is
+    { builtin printf '%s\0' "$fc_tok" "$fc_um" "$#" "$@"
+      for fc_v in $(builtin compgen -e); do builtin printf '%s\0' "$fc_v=${!fc_v}"; done
+      builtin printf '%s\0' "_=${fc_pyexe[fc_n]}"; } >"$fc_q"  # what bash puts in $_ for a command it runs
+    builtin umask "$fc_um"
+    builtin exec {fc_fd}<>"$fc_r"
     # From a subshell: the server reopens this shell's stdout, which a redirection here changes meanwhile.
-    fc_v=$BASHPID; ( printf '%s\n' "$fc_v" >"$fc_pyd/in.$fc_n" )
-    until IFS= read -r -t 1 -u "$fc_fd" fc_v; do
-      kill -0 "${fc_pypid[fc_n]}" 2>/dev/null || { fc_v=fallback; break; }
+    fc_v=$BASHPID; ( builtin printf '%s\n' "$fc_v" >"$fc_pyd/in.$fc_n" )
+    while :; do
+      if IFS= builtin read -r -t 1 -u "$fc_fd" fc_v; then
+        [[ $fc_v == fallback ]] && break  # (untokened: whoever says it, the real interpreter runs)
+        [[ $fc_v == "$fc_tok "* ]] || continue
+        fc_v=${fc_v#"$fc_tok "}
+        [[ $fc_v == started ]] || break
+        fc_state=started
+      elif ! builtin kill -0 "${fc_pypid[fc_n]}" 2>/dev/null; then
+        # Gone before it started this command: the real interpreter runs it; after: it is not run twice.
+        if [[ $fc_state == started ]]; then fc_v=lost; else fc_v=fallback; fi
+        break
+      fi
     done
-    exec {fc_fd}<&-
-    rm -f "$fc_q" "$fc_r"
-    [ "$fc_v" = fallback ] || return "$fc_v"
+    builtin exec {fc_fd}<&-
+    command rm -f "$fc_q" "$fc_r"
+    case $fc_v in
+      fallback) ;;
+      lost) builtin printf 'fleetcuda: the interpreter server ended while it ran this command\n' >&2; return 125 ;;
+      *) return "$fc_v" ;;
+    esac
   fi
   command "${fc_pyexe[fc_n]}" "$@"
 }"""
@@ -404,6 +424,8 @@ def _python_servers(plan: Plan, pythons: list[str]) -> list[str]:
                   f"{quote(python)} - \"$fc_pyd\" {n} torch {quote(label)} <<'{PY_DELIMITER}' >/dev/null 2>&1 &",
                   server.text + PY_DELIMITER,
                   f"fc_pypid[{n}]=$!",
+                  # Held open here, read and write: a request is never stuck on a server that died starting.
+                  f'exec {{fc_pyin}}<>"$fc_pyd/in.{n}"',
                   f'function {python} {{ fc_py {n} "$@"; }}',
                   "fi"]
     return lines
@@ -461,8 +483,16 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLo
         # Captured, then printed with `| ` before each line: no process beyond the check's own subshell.
         parts[index] = "\n".join(body)
         lines.append("fc_out=$(\n" + parts[index] + "\n); fc_rc=$?")
-        lines.append('[ -z "$fc_out" ] || printf \'| %s\\n\' "${fc_out//$\'\\n\'/$\'\\n| \'}"')
-        lines.append(f"fc_ms; {framing.frame('end', str(index), '$fc_rc', '$(( fc_m - fc_t ))')}; "
+        # (A long output through sed: the pattern substitution is quadratic.)
+        lines.append('if [ "${#fc_out}" -gt 65536 ]; then printf \'%s\\n\' "$fc_out" | sed \'s/^/| /\'; '
+                     'elif [ -n "$fc_out" ]; then printf \'| %s\\n\' "${fc_out//$\'\\n\'/$\'\\n| \'}"; fi')
+        over = ""
+        if probe.timeout:
+            # One timeout covers the batch: a check that took longer than its own is what, on its own, timeout
+            # would have stopped, and is counted so: 124.
+            over = (f'if [ "$fc_t" -gt {int(probe.timeout) * 1000} ]; then fc_rc=124; printf \'| %s\\n\' '
+                    f'"fleetcuda: over this check\'s timeout of {int(probe.timeout)} s"; fi; ')
+        lines.append(f"fc_ms; fc_t=$(( fc_m - fc_t )); {over}{framing.frame('end', str(index), '$fc_rc', '$fc_t')}; "
                      '[ "$fc_rc" = 0 ] || all_ok=0')
     if lock is not None:
         lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan))}\nfi')

@@ -24,7 +24,9 @@ import signal
 import sys
 
 # What Python (or torch, at import) reads at start-up: a request whose environment differs here falls back.
-STARTUP_PREFIXES = ("PYTHON", "LD_", "LC_", "TORCH_")
+STARTUP_PREFIXES = ("PYTHON", "LD_", "LC_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_")
+# Linux's limits on what an exec takes: past them the real interpreter fails to start (E2BIG), so it runs.
+MAX_ARG_STRLEN = 131072
 STARTUP_NAMES = ("LANG", "HOME")
 
 
@@ -32,20 +34,21 @@ def startup_view(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) or k in STARTUP_NAMES}
 
 
-def parse_request(data: bytes) -> tuple[str, list[str], dict[str, str]]:
-    """(cwd, argv after the interpreter, environment) from `cwd NUL argc NUL argv... NUL NAME=value NUL ...`."""
+def parse_request(data: bytes) -> tuple[str, str, list[str], dict[str, str]]:
+    """(token, umask, argv after the interpreter, environment) from
+    `token NUL umask NUL argc NUL argv... NUL NAME=value NUL ...`."""
     fields = data.split(b"\0")
     if fields and fields[-1] == b"":
         fields.pop()
     words = [os.fsdecode(f) for f in fields]
-    cwd, argc = words[0], int(words[1])
-    argv = words[2:2 + argc]
+    token, umask, argc = words[0], words[1], int(words[2])
+    argv = words[3:3 + argc]
     env = {}
-    for item in words[2 + argc:]:
+    for item in words[3 + argc:]:
         name, sep, value = item.partition("=")
         if sep:
             env[name] = value
-    return cwd, argv, env
+    return token, umask, argv, env
 
 
 def plan_run(argv: list[str]) -> tuple[str, str, list[str]] | None:
@@ -65,25 +68,13 @@ def plan_run(argv: list[str]) -> tuple[str, str, list[str]] | None:
     return ("script", first, argv)
 
 
-def _exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-def run_child(how: tuple[str, str, list[str]], cwd: str, env: dict[str, str]) -> int:
-    """In the forked child: become `python ARGS` and run it; the exit status."""
+def run_child(how: tuple[str, str, list[str]], env: dict[str, str]) -> None:
+    """In the forked child: become `python ARGS` and run it. Returns only by raising SystemExit, which the
+    interpreter's own top level then handles as for any program (threads joined, atexit, files flushed)."""
     import runpy
-    import traceback
     import types
 
     kind, what, args = how
-    if cwd:
-        os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = args
@@ -94,36 +85,61 @@ def run_child(how: tuple[str, str, list[str]], cwd: str, env: dict[str, str]) ->
     try:
         if kind == "module":
             runpy.run_module(what, run_name="__main__", alter_sys=True)
-            return 0
-        if kind == "stdin":
-            source: str | bytes = sys.stdin.read()
-            filename = "<stdin>"
-        elif kind == "code":
-            source, filename = what, "<string>"
         else:
-            with open(what, "rb") as f:
-                source, filename = f.read(), what
-        code = compile(source, filename, "exec")
-        module = types.ModuleType("__main__")  # a fresh __main__, as a new interpreter has
-        if kind == "script":
-            module.__file__ = what
-        sys.modules["__main__"] = module
-        exec(code, module.__dict__)  # noqa: S102  (running the check is the point)
-        return 0
-    except SystemExit as exc:
-        return _exit_code(exc)
-    except BaseException as exc:  # as the interpreter does: the traceback, without this server's frame
+            if kind == "stdin":
+                source: str | bytes = sys.stdin.read()
+                filename = "<stdin>"
+            elif kind == "code":
+                source, filename = what, "<string>"
+            else:
+                with open(what, "rb") as f:
+                    source, filename = f.read(), what
+            code = compile(source, filename, "exec")
+            module = types.ModuleType("__main__")  # a fresh __main__, as a new interpreter has
+            if kind == "script":
+                module.__file__ = what
+            sys.modules["__main__"] = module
+            exec(code, module.__dict__)  # noqa: S102  (running the check is the point)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # as the interpreter does: its excepthook, without this server's frame
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-        traceback.print_exception(type(exc), exc, tb)
-        return 1
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, KeyboardInterrupt):
+            _exit_like_sigint()
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def _exit_like_sigint() -> None:
+    """What the interpreter does after an unhandled KeyboardInterrupt: shut down, then die of SIGINT (130)."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def open_streams(pid: int) -> list[int] | None:
-    """The caller's stdin, stdout and stderr, opened here (a pipe stays the caller's pipe); None if one cannot be."""
+    """The caller's stdin, stdout, stderr and working directory, opened here (a pipe stays the caller's pipe); None
+    if one cannot be, or is a file whose offset the caller shares with what it runs (output appended or written
+    after the shell's own; stdin read past its start), which a reopened file would not share."""
+    import stat
+
     fds: list[int] = []
     try:
         for n in (0, 1, 2):
             fds.append(os.open(f"/proc/{pid}/fd/{n}", os.O_RDONLY if n == 0 else os.O_WRONLY))
+            if stat.S_ISREG(os.fstat(fds[-1]).st_mode) and (n > 0 or _offset(pid, 0) != 0):
+                raise OSError("a regular file")
+        fds.append(os.open(f"/proc/{pid}/cwd", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
     except OSError:
         for fd in fds:
             os.close(fd)
@@ -131,14 +147,30 @@ def open_streams(pid: int) -> list[int] | None:
     return fds
 
 
-def _become_streams(fds: list[int]) -> None:
-    """The caller's streams as fds 0, 1, 2, under this interpreter's own sys.stdin/stdout/stderr objects (made
-    at start-up with the same locale, as a new interpreter's are; a module imported here may hold them)."""
-    for n, fd in enumerate(fds):
+def _offset(pid: int, fd: int) -> int:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("pos:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _become_streams(fds: list[int], umask: str) -> None:
+    """The caller's streams as fds 0, 1, 2 (stdout and stderr under this interpreter's own objects, made at
+    start-up with the same locale as a new interpreter's; a module imported here may hold them; stdin anew, as
+    it may now be a file), its working directory and umask."""
+    *streams, cwd = fds
+    for n, fd in enumerate(streams):
         os.dup2(fd, n)
         os.close(fd)
+    os.fchdir(cwd)
+    os.close(cwd)
+    os.umask(int(umask, 8))
     os.closerange(3, 1 << 16)  # the server's inbox and wake-up pipe are not the check's
-    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
+    stdin = sys.__stdin__
+    sys.stdin = open(0, closefd=False, encoding=stdin.encoding if stdin else None,  # noqa: SIM115
+                     errors=stdin.errors if stdin else None)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
 
 
 class Server:
@@ -147,7 +179,7 @@ class Server:
         self.inbox = os.path.join(directory, f"in.{number}")
         self.env = startup_view(dict(os.environ))
         self.usable = self._preload(preload)
-        self.children: dict[int, str] = {}  # child pid -> caller pid
+        self.children: dict[int, tuple[str, str]] = {}  # child pid -> (caller pid, its token)
 
     def _preload(self, modules: list[str]) -> bool:
         import importlib
@@ -180,38 +212,31 @@ class Server:
     def serve_one(self, caller: str) -> None:
         try:
             with open(os.path.join(self.dir, f"q.{caller}"), "rb") as f:
-                cwd, argv, env = parse_request(f.read())
+                token, umask, argv, env = parse_request(f.read())
+            int(umask, 8)
         except (OSError, ValueError, IndexError):
-            self.answer(caller, "fallback")
+            self.answer(caller, "fallback")  # (no token to answer with: an untokened fallback is always safe)
             return
         how = plan_run(argv)
-        fds = open_streams(int(caller)) if how is not None and self.usable and startup_view(env) == self.env else None
+        words = [*argv, *(f"{k}={v}" for k, v in env.items())]
+        exact = (how is not None and self.usable and startup_view(env) == self.env
+                 and all(len(os.fsencode(w)) < MAX_ARG_STRLEN for w in words)
+                 and sum(len(os.fsencode(w)) + 9 for w in words) < os.sysconf("SC_ARG_MAX"))
+        fds = open_streams(int(caller)) if exact else None
         if how is None or fds is None:
-            self.answer(caller, "fallback")
+            self.answer(caller, f"{token} fallback")
             return
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                _become_streams(fds)
-                code = run_child(how, cwd, env)
-
-                import atexit
-
-                atexit._run_exitfuncs()
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:
-                        pass
-                os._exit(code)
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            _become_streams(fds, umask)
+            run_child(how, env)  # raises SystemExit, up through this server's frames to the interpreter's exit
         for fd in fds:
             os.close(fd)
-        self.children[pid] = caller
+        self.children[pid] = (caller, token)
+        self.answer(caller, f"{token} started")  # from here on a server that dies is not a reason to run it again
 
     def reap(self) -> None:
         while self.children:
@@ -221,15 +246,24 @@ class Server:
                 return
             if pid == 0:
                 return
-            caller = self.children.pop(pid, None)
-            if caller is not None:
+            who = self.children.pop(pid, None)
+            if who is not None:
+                caller, token = who
                 # As the shell says it (os.waitstatus_to_exitcode is Python 3.9's: targets may have 3.8).
                 code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-                self.answer(caller, str(code))
+                self.answer(caller, f"{token} {code}")
 
     def serve(self) -> None:
         import select
+        import shutil
 
+        def stop(*_: object) -> None:  # the batch's timeout, stop.sh, or the batch gone: leave nothing behind
+            shutil.rmtree(self.dir, ignore_errors=True)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        parent = os.getppid()
+        _term_with_parent()
         inbox = os.open(self.inbox, os.O_RDWR)  # read and write: never EOF while callers come and go
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -237,7 +271,9 @@ class Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         buf = b""
         while True:
-            ready, _, _ = select.select([inbox, wake_r], [], [])
+            ready, _, _ = select.select([inbox, wake_r], [], [], 0.5)
+            if os.getppid() != parent:
+                stop()
             if wake_r in ready:
                 os.read(wake_r, 512)
                 self.reap()
@@ -252,6 +288,17 @@ class Server:
                 if word.isdigit():
                     self.serve_one(word)
             self.reap()
+
+
+def _term_with_parent() -> None:
+    """SIGTERM when the batch shell dies (a lost connection: it dies of SIGPIPE, and its timeout, which kills
+    the group only when the time is up, exits with it). Linux's prctl; elsewhere the loop's parent check."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def main(argv):
