@@ -68,9 +68,8 @@ def plan_run(argv: list[str]) -> tuple[str, str, list[str]] | None:
     return ("script", first, argv)
 
 
-def run_child(how: tuple[str, str, list[str]], env: dict[str, str]) -> None:
-    """In the forked child: become `python ARGS` and run it. Returns only by raising SystemExit, which the
-    interpreter's own top level then handles as for any program (threads joined, atexit, files flushed)."""
+def run_child(how: tuple[str, str, list[str]], env: dict[str, str]) -> int:
+    """In the forked child: become `python ARGS` and run it; its exit status (see finish)."""
     import runpy
     import types
 
@@ -100,31 +99,66 @@ def run_child(how: tuple[str, str, list[str]], env: dict[str, str]) -> None:
                 module.__file__ = what
             sys.modules["__main__"] = module
             exec(code, module.__dict__)  # noqa: S102  (running the check is the point)
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        return _exit_code(exc)
     except BaseException as exc:  # as the interpreter does: its excepthook, without this server's frame
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        if isinstance(exc, KeyboardInterrupt):
-            _exit_like_sigint()
-        raise SystemExit(1) from None
-    raise SystemExit(0)
+        return -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    return 0
 
 
-def _exit_like_sigint() -> None:
-    """What the interpreter does after an unhandled KeyboardInterrupt: shut down, then die of SIGINT (130)."""
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def finish(code: int) -> None:
+    """What the interpreter does at exit that a check can see, then os._exit (a full finalization with torch
+    loaded costs seconds, every call): non-daemon threads joined, atexit handlers, files the program left open
+    in its namespace flushed, stdout and stderr flushed (a failing stdout: its message, status 120), and after
+    an unhandled KeyboardInterrupt death by SIGINT (130)."""
     import atexit
+    import io
     import threading
+    import traceback
 
-    threading._shutdown()  # type: ignore[attr-defined]
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except Exception:
+        pass
     atexit._run_exitfuncs()
+    main = sys.modules.get("__main__")
+    for value in list(vars(main).values()) if main is not None else []:
+        if isinstance(value, io.IOBase) and not value.closed:
+            try:
+                value.flush()
+            except Exception:
+                pass
+    status = code
     for stream in (sys.stdout, sys.stderr):
+        if stream is None or stream.closed:  # as the interpreter: a closed one is not flushed
+            continue
         try:
             stream.flush()
-        except Exception:
-            pass
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
+        except Exception as exc:
+            if stream is sys.stdout:
+                try:
+                    sys.stderr.write(f"Exception ignored in: {stream!r}\n"
+                                     + "".join(traceback.format_exception_only(type(exc), exc)))
+                    sys.stderr.flush()
+                except Exception:
+                    pass
+                status = 120 if status == 0 else status
+    if status == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status & 0xFF)
 
 
 def open_streams(pid: int) -> list[int] | None:
@@ -231,8 +265,12 @@ class Server:
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
-            _become_streams(fds, umask)
-            run_child(how, env)  # raises SystemExit, up through this server's frames to the interpreter's exit
+            code = 1
+            try:
+                _become_streams(fds, umask)
+                code = run_child(how, env)
+            finally:
+                finish(code)
         for fd in fds:
             os.close(fd)
         self.children[pid] = (caller, token)
