@@ -389,6 +389,7 @@ _PY_CLIENT = r"""fc_py() {
     done
     builtin exec {fc_fd}<&-
     command rm -f "$fc_q" "$fc_r"
+    [[ $fc_v == fallback || $fc_v == lost || $fc_v =~ ^[0-9]+$ ]] || fc_v=lost  # never `return` a non-number
     case $fc_v in
       fallback) ;;
       lost) builtin printf 'fleetcuda: the interpreter server ended while it ran this command\n' >&2; return 125 ;;
