@@ -373,8 +373,9 @@ _PY_CLIENT = r"""fc_py() {
     builtin umask "$fc_um"
     builtin exec {fc_fd}<>"$fc_r"
     # From a subshell: the server reopens this shell's stdout, which a redirection here changes meanwhile.
-    fc_v=$BASHPID; ( builtin printf '%s\n' "$fc_v" >"$fc_pyd/in.$fc_n" )
+    fc_v=$BASHPID; ( builtin printf '%s %s\n' "$fc_v" "$fc_tok" >"$fc_pyd/in.$fc_n" )
     while :; do
+      if [[ -z $fc_state ]] && ! [[ -p $fc_pyd/in.$fc_n ]]; then fc_v=fallback; break; fi
       if IFS= builtin read -r -t 1 -u "$fc_fd" fc_v; then
         [[ $fc_v == fallback ]] && break  # (untokened: whoever says it, the real interpreter runs)
         [[ $fc_v == "$fc_tok "* ]] || continue
@@ -385,6 +386,10 @@ _PY_CLIENT = r"""fc_py() {
         # Gone before it started this command: the real interpreter runs it; after: it is not run twice.
         if [[ $fc_state == started ]]; then fc_v=lost; else fc_v=fallback; fi
         break
+      elif [[ -z $fc_state ]]; then
+        # Not started yet (the server busy importing torch, or the request not seen): say it again; the server
+        # takes each token once.
+        ( builtin printf '%s %s\n' "$BASHPID" "$fc_tok" >"$fc_pyd/in.$fc_n" )
       fi
     done
     builtin exec {fc_fd}<&-

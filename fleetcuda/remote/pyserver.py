@@ -214,6 +214,7 @@ class Server:
         self.env = startup_view(dict(os.environ))
         self.usable = self._preload(preload)
         self.children: dict[int, tuple[str, str]] = {}  # child pid -> (caller pid, its token)
+        self.seen: set[str] = set()  # tokens served
 
     def _preload(self, modules: list[str]) -> bool:
         import importlib
@@ -243,7 +244,7 @@ class Server:
         finally:
             os.close(fd)
 
-    def serve_one(self, caller: str) -> None:
+    def serve_one(self, caller: str, said: str) -> None:
         try:
             with open(os.path.join(self.dir, f"q.{caller}"), "rb") as f:
                 token, umask, argv, env = parse_request(f.read())
@@ -251,6 +252,9 @@ class Server:
         except (OSError, ValueError, IndexError):
             self.answer(caller, "fallback")  # (no token to answer with: an untokened fallback is always safe)
             return
+        if token != said:
+            return  # a request file of another call of that caller: not this one's
+        self.seen.add(token)
         how = plan_run(argv)
         words = [*argv, *(f"{k}={v}" for k, v in env.items())]
         exact = (how is not None and self.usable and startup_view(env) == self.env
@@ -320,11 +324,12 @@ class Server:
             buf += os.read(inbox, 4096)
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                word = line.decode(errors="replace").strip()
-                if word == "exit":
+                words = line.decode(errors="replace").split()
+                if words == ["exit"]:
                     return
-                if word.isdigit():
-                    self.serve_one(word)
+                # `PID TOKEN`, said again by a caller still waiting: each token is served once.
+                if len(words) == 2 and words[0].isdigit() and words[1] not in self.seen:
+                    self.serve_one(words[0], words[1])
             self.reap()
 
 
