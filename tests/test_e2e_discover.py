@@ -39,8 +39,9 @@ def test_discover_over_real_ssh_in_three_login_shells(lab: LoopbackSshd, tmp_pat
     for host in hosts.values():
         assert host["error"] is None, host
         by = {c["vmid"]: c for c in host["containers"]}
-        # One stand-in state for all three hosts: each sees every container.
-        assert set(by) == {300, 301, 310, 320, 399}
+        # One stand-in state for all three hosts: each sees every container (this test's, and those other tests of
+        # the session's loopback lab added before it).
+        assert {300, 301, 310, 320, 399} <= set(by)
         assert by[301]["gpu"] == {"forms": ["cgroup", "mount"], "lines": [
             "lxc.cgroup2.devices.allow: c 195:* rwm",
             "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file"]}
