@@ -360,7 +360,7 @@ _BASH_EXPORTS = "PATH LANG HOME"
 # interpreter that has imported torch), with this shell's environment, directory and streams; when the server
 # cannot (or is gone), the real interpreter runs instead. Builtins only, except compgen's one fork and mkfifo.
 _PY_CLIENT = r"""fc_py() {
-  local - IFS=$' \t\n' fc_n=$1 fc_v fc_fd fc_q fc_r fc_um fc_state= fc_tok; shift
+  local - IFS=$' \t\n' fc_n=$1 fc_v fc_fd fc_q fc_r fc_um fc_state= fc_tok fc_me=$BASHPID; shift
   set +x  # (local -: the check's own options come back on return) no trace of the environment sent below
   fc_q="$fc_pyd/q.$BASHPID"; fc_r="$fc_pyd/r.$BASHPID"
   if builtin kill -0 "${fc_pypid[fc_n]}" 2>/dev/null && command mkfifo -m 600 "$fc_r" 2>/dev/null; then
@@ -373,7 +373,7 @@ _PY_CLIENT = r"""fc_py() {
     builtin umask "$fc_um"
     builtin exec {fc_fd}<>"$fc_r"
     # From a subshell: the server reopens this shell's stdout, which a redirection here changes meanwhile.
-    fc_v=$BASHPID; ( builtin printf '%s %s\n' "$fc_v" "$fc_tok" >"$fc_pyd/in.$fc_n" )
+    ( builtin printf '%s %s\n' "$fc_me" "$fc_tok" >"$fc_pyd/in.$fc_n" )
     while :; do
       if [[ -z $fc_state ]] && ! [[ -p $fc_pyd/in.$fc_n ]]; then fc_v=fallback; break; fi
       if IFS= builtin read -r -t 1 -u "$fc_fd" fc_v; then
@@ -386,14 +386,20 @@ _PY_CLIENT = r"""fc_py() {
         # Gone before it started this command: the real interpreter runs it; after: it is not run twice.
         if [[ $fc_state == started ]]; then fc_v=lost; else fc_v=fallback; fi
         break
+      elif [[ -e $fc_pyd/s.$fc_tok ]]; then
+        # The server also leaves its answer in a file: a line lost on the FIFO costs a second, not a hang.
+        IFS= builtin read -r fc_v <"$fc_pyd/s.$fc_tok"
+        break
+      elif [[ -e $fc_pyd/t.$fc_tok ]]; then
+        fc_state=started
       elif [[ -z $fc_state ]]; then
         # Not started yet (the server busy importing torch, or the request not seen): say it again; the server
         # takes each token once.
-        ( builtin printf '%s %s\n' "$BASHPID" "$fc_tok" >"$fc_pyd/in.$fc_n" )
+        ( builtin printf '%s %s\n' "$fc_me" "$fc_tok" >"$fc_pyd/in.$fc_n" )
       fi
     done
     builtin exec {fc_fd}<&-
-    command rm -f "$fc_q" "$fc_r"
+    command rm -f "$fc_q" "$fc_r" "$fc_pyd/s.$fc_tok" "$fc_pyd/t.$fc_tok"
     [[ $fc_v == fallback || $fc_v == lost || $fc_v =~ ^[0-9]+$ ]] || fc_v=lost  # never `return` a non-number
     case $fc_v in
       fallback) ;;

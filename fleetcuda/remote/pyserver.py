@@ -234,6 +234,17 @@ class Server:
         torch = sys.modules.get("torch")
         return not (torch is not None and torch.cuda.is_initialized())
 
+    def note(self, token: str, kind: str, line: str) -> None:
+        """The answer as a file too (`t.TOKEN` started, `s.TOKEN` the status): the caller reads it when the FIFO
+        line does not come (seen under load: a caller waiting on a line that never arrived)."""
+        path = os.path.join(self.dir, f"{kind}.{token}")
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(line + "\n")
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass
+
     def answer(self, caller: str, line: str) -> None:
         try:
             fd = os.open(os.path.join(self.dir, f"r.{caller}"), os.O_WRONLY | os.O_NONBLOCK)
@@ -262,6 +273,7 @@ class Server:
                  and sum(len(os.fsencode(w)) + 9 for w in words) < os.sysconf("SC_ARG_MAX"))
         fds = open_streams(int(caller)) if exact else None
         if how is None or fds is None:
+            self.note(token, "s", "fallback")
             self.answer(caller, f"{token} fallback")
             return
         pid = os.fork()
@@ -278,6 +290,7 @@ class Server:
         for fd in fds:
             os.close(fd)
         self.children[pid] = (caller, token)
+        self.note(token, "t", "started")
         self.answer(caller, f"{token} started")  # from here on a server that dies is not a reason to run it again
 
     def reap(self) -> None:
@@ -293,6 +306,7 @@ class Server:
                 caller, token = who
                 # As the shell says it (os.waitstatus_to_exitcode is Python 3.9's: targets may have 3.8).
                 code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                self.note(token, "s", str(code))
                 self.answer(caller, f"{token} {code}")
 
     def serve(self) -> None:
@@ -316,6 +330,8 @@ class Server:
             ready, _, _ = select.select([inbox, wake_r], [], [], 0.5)
             if os.getppid() != parent:
                 stop()
+            if not ready:
+                self.reap()  # (a wake-up that did not come: children are reaped on every timeout too)
             if wake_r in ready:
                 os.read(wake_r, 512)
                 self.reap()
