@@ -7,7 +7,6 @@ Needs the lab up with this branch's stand-in and configs (`sudo tests/lab/labctl
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -17,20 +16,13 @@ import pytest
 from fleetcuda.plan import pve
 from fleetcuda.plan.inventory import load_inventory
 from tests.conftest import REPO, run_fleetcuda
-
-LAB = Path("/var/lib/fleetcuda-lab")
-INV = "inventories/lab.yaml"
+from tests.test_lab_e2e import INV, LAB, lab_is_up  # noqa: F401  (lab_is_up: autouse fixture)
 
 pytestmark = pytest.mark.lab
 
 
 @pytest.fixture(scope="module", autouse=True)
-def lab_is_up() -> None:
-    if not (LAB / "up").exists():
-        reason = "the lab is not up: run `sudo tests/lab/labctl.py up` (tests/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+def lab_has_proxmox_configs(lab_is_up: None) -> None:  # noqa: F811  (after the lab is found up)
     if not (LAB / "hosts/a/pve/200.conf").exists():
         pytest.fail("the lab has no Proxmox configs (LAB/hosts/<host>/pve): `sudo tests/lab/labctl.py up` writes them")
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from tests.conftest import REPO, run_fleetcuda
+from tests.test_lab_e2e import INV, LAB, lab_is_up  # noqa: F401  (lab_is_up: autouse fixture)
 
-LAB = Path("/var/lib/fleetcuda-lab")
-INV = "inventories/lab.yaml"
 GDN = "recipes/gdn-fastpath.yaml"
 RECIPE = """\
 name: gpu
@@ -39,15 +37,6 @@ steps:
 DRIVER = "580.159.04"
 
 pytestmark = pytest.mark.lab
-
-
-@pytest.fixture(scope="module", autouse=True)
-def lab_is_up() -> None:
-    if not (LAB / "up").exists():
-        reason = "the lab is not up: run `sudo tests/lab/labctl.py up` (tests/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
 
 
 def standin() -> ModuleType:
