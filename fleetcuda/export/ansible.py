@@ -32,7 +32,7 @@ from fleetcuda.plan.command import BuiltCommand, HopChain, host_argv
 from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import PlannedStep, Secrets, base_values, make_plan, pending_facts
 from fleetcuda.plan.recipe import Recipe
-from fleetcuda.plan.templating import _SUBSCRIPT_COMMAND, FILTERS
+from fleetcuda.plan.templating import FILTERS, SUBSCRIPT_EXPANSION
 from fleetcuda.redact import URL_CREDENTIALS
 
 MARKER = ".fleetcuda-export"
@@ -434,13 +434,13 @@ def _play(exp: Export, mode: str) -> list[dict[str, Any]]:
         # only at run time. The condition names the variables, never their values.
         # And a NUL, which fleetcuda refuses in any value: on stdin it would end the secret early (`read -d ''`)
         # and hand the rest to the next variable read there.
-        play["vars"] = {"fleetcuda_refused_value": "(?s)" + _SUBSCRIPT_COMMAND.pattern + r"|\x00"}
+        play["vars"] = {"fleetcuda_refused_value": "(?s)" + SUBSCRIPT_EXPANSION.pattern + r"|\x00"}
         play["tasks"].insert(0, {
             "name": "secrets: none that bash would run as a subscript",
             "ansible.builtin.assert": {
                 "that": [f"{SECRET_PREFIX}{n} is not search(fleetcuda_refused_value)" for n in exp.secret_names],
-                "fail_msg": "a secret holds a NUL or a command inside [ ]: refused, as fleetcuda refuses it (bash "
-                            "runs the command wherever it reads the value as a number or a variable's name)",
+                "fail_msg": "a secret holds a NUL, or a [ followed by $ or a backtick: refused, as fleetcuda "
+                            "refuses it (bash expands it wherever it reads the value as a number or a variable's name)",
                 "quiet": True},
         })
     if mode == "verify":

@@ -28,11 +28,15 @@ FILTERS: dict[str, Callable[[str], str]] = {
     "major": lambda v: v.split(".")[0],
 }
 _INTEGER = re.compile(r"-?[0-9]+\Z")
-# bash evaluates `name[subscript]` as arithmetic, and expands the subscript, wherever a value is used as
-# a number or as a variable's name (`declare -i v; v=$x`, `[ -v "$x" ]`, `printf -v "$x"`, `read "$x"`,
-# `(( ))` written without a space ...), and no scanner can find every such place: a value with a
-# subscript that holds a command (`a[$(cmd)]`, backticks, `<(...)`) is refused wherever it would go.
-_SUBSCRIPT_COMMAND = re.compile(r"\[.*(\$\(|`|<\(|>\()", re.S)
+# bash evaluates a value's text as arithmetic wherever a script uses it as a number or a variable's name
+# (`[[ -ge ]]`, `(( ))`, `$(( ))`, `let`, `declare -i`, `read` into an integer, `printf -v`, `${!v}`,
+# `declare -n`, `${s:off}`, any subscript ...), and no scanner can find every such place, since a script may
+# copy a value anywhere. There, only `name[subscript]` expands anything, and a subscript is expanded as in double
+# quotes: the only characters that start an expansion there are `$` followed by a name, a digit, a special
+# parameter or one of `( { [ ' "`, and a backtick (`${v@P}` turns `\044` into `$` only through such a `$`).
+# So a value with a `[` followed anywhere by one of those is refused wherever it would go: complete by
+# construction, whatever the spelling (tests/test_arith_values.py fuzzes it against every such context).
+SUBSCRIPT_EXPANSION = re.compile(r"\[.*?(`|\$[A-Za-z0-9_({\['\"$!?#@*-])", re.S)
 
 
 class TemplateError(ValueError):
@@ -76,9 +80,10 @@ class RenderedShell:
 
 def check_value(what: str, value: str) -> None:
     """A value that reaches a target's shell or environment: never one bash would run as a subscript."""
-    if _SUBSCRIPT_COMMAND.search(value):
-        raise TemplateError(f"{what} is {value[:40]!r}: a value with a command inside [ ] is refused, since bash "
-                            "runs it wherever it reads the value as a number or a variable's name")
+    if SUBSCRIPT_EXPANSION.search(value):
+        raise TemplateError(f"{what} holds '[' followed by an expansion ('$' or a backtick): refused, since bash "
+                            "expands it, and can run a command, wherever a script reads the value as a number or a "
+                            "variable's name")
 
 
 def render_shell(text: str, values: Mapping[str, str]) -> RenderedShell:
