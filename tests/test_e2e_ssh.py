@@ -172,7 +172,7 @@ def test_unknown_host_key_is_refused_with_how_to_trust(lab: LoopbackSshd, env: d
 
 def test_var_values_are_never_executed(lab: LoopbackSshd, env: dict[str, Path], tmp_path: Path) -> None:
     pwned = tmp_path / "pwned"
-    evil = f"$(touch {pwned})`touch {pwned}`;touch {pwned}'\"; touch {pwned}"
+    evil = f"$ (touch {pwned})' touch {pwned}';touch {pwned}'\"; touch {pwned}"  # `$(`: refused at load
     fleetcuda("apply", str(MARKER), "-i", str(env["inv"]), "--var", f"root={env['root']}", "--var",
               f"greeting={evil}", "--limit", "zshhost,dashhost", "--plain", state=env["state"], check=True)
     assert greeting(env["root"], 310) == evil

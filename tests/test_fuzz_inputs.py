@@ -29,6 +29,7 @@ from fleetcuda.plan.command import quote
 from fleetcuda.plan.inventory import load_inventory
 from fleetcuda.plan.planner import base_values, make_plan
 from fleetcuda.plan.recipe import load_recipe
+from fleetcuda.plan.templating import SHELL_EXPANSION
 from tests.conftest import REPO
 
 GOOD_RECIPE = REPO / "recipes" / "gdn-fastpath.yaml"
@@ -582,6 +583,10 @@ def test_values_with_shell_metacharacters_are_only_ever_quoted(payload: str, bef
         target = load_inventory(inv).targets[0]
         assert target.vars["greeting"] == greeting  # accepted, unchanged
         recipe = load_recipe(MARKER)
+        if SHELL_EXPANSION.search(greeting):  # refused when planned, never sent (tests/test_arith_values.py)
+            with pytest.raises(InputError, match="expansion or a backtick"):
+                make_plan(recipe, target, base_values(recipe, target, {}))
+            return
         steps = {s.name: s for s in make_plan(recipe, target, base_values(recipe, target, {})).steps}
         step = steps["write-greeting"]
         argv = step.check.argv

@@ -149,7 +149,7 @@ def _dry_run(recipe: Path, inventory: Path, *args: str) -> dict:
 def test_redteam_export_scripts_are_the_dry_runs(tmp_path: Path) -> None:
     """Every exported command's script (`bash -c SCRIPT`) is the one `fleetcuda apply --dry-run --format json`
     shows for that phase, for hostile public values and a secret."""
-    hostile = "{{ x }} {% raw %} !unsafe 'q' \"d\" $(id) `id` \\ #: - *a &b\nline2 ~ yes null"
+    hostile = "{{ x }} {% raw %} !unsafe 'q' \"d\" $ (id) ;id; \\ #: - *a &b\nline2 ~ yes null"
     r, i = _files(tmp_path, {
         "name": "r", "vars": {"v": "1", "api_token": "x"}, "secrets": ["api_token"],
         "steps": [{"name": "one", "check": "test -f /nonexistent/{{ v }}", "apply": "printf %s {{ v }}"},

@@ -172,7 +172,7 @@ def test_redteam3_shell_format_lines_are_what_apply_sends(tmp_path: Path, monkey
         name: r
         secrets: [word]
         vars:
-          odd: "it's a $(x) !x \\\\ caf\\u00e9"
+          odd: "it's a $ (x) !x \\\\ caf\\u00e9"
           word: "s3cret-word"
           db_password: "pw-123456"
         env:

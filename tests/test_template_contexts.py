@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetcuda.plan.command import Invocation, target_argv
-from fleetcuda.plan.templating import TemplateError, render_shell
+from fleetcuda.plan.templating import SHELL_EXPANSION, TemplateError, render_shell
 
 HOSTILE = [
     "$(touch {p})", "`touch {p}`", "'; touch {p}; '", '"; touch {p}; "', "a\ntouch {p}\n", "${{x:-$(touch {p})}}",
@@ -65,8 +65,8 @@ def _payload(template: str, tmp: Path) -> str:
 def test_expanding_contexts_see_the_exact_value_and_run_nothing(context: str, hostile: str, tmp_path: Path) -> None:
     template, expected = EXPANDING[context]
     value = _payload(hostile, tmp_path)
-    if re.search(r"\[.*(\$[(a-zA-Z{]|`)", value):  # bash would expand it as a subscript: refused everywhere
-        with pytest.raises(TemplateError, match=r"followed by an expansion"):
+    if re.search(r"`|\$([(a-zA-Z{]|\Z)", value):  # bash could expand it as a subscript: refused everywhere
+        with pytest.raises(TemplateError, match=r"expansion or a backtick"):
             render_shell(template, {"x": value})
         return
     if context == "inside [[ ]]" and "[" in value:
@@ -90,17 +90,19 @@ def test_arithmetic_takes_integers_only(tmp_path: Path) -> None:
     rendered = render_shell("printf %s $(( {{ n }} * 2 )); (( {{ n }} > 1 )) && printf ' big'", {"n": "21"})
     assert run_bash(rendered.text, rendered.vars, tmp_path).stdout == b"42 big"
     for bad in ["a[$(touch x)]", "1+1", "x", ""]:
-        with pytest.raises(TemplateError, match="integer|followed by an expansion"):
+        with pytest.raises(TemplateError, match="integer|expansion or a backtick"):
             render_shell("echo $(( {{ n }} + 1 ))", {"n": bad})
-        with pytest.raises(TemplateError, match="integer|followed by an expansion"):
+        with pytest.raises(TemplateError, match="integer|expansion or a backtick"):
             render_shell("(( {{ n }} ))", {"n": bad})
 
 
 def test_the_flagship_pattern_is_safe(tmp_path: Path) -> None:
     """The recipe's own `grep -q "release {{ cuda_version }},"`, with the red team's value."""
     value = f"$(touch {tmp_path / 'pwned'})"
+    with pytest.raises(TemplateError, match="expansion or a backtick"):  # refused as a whole, at load
+        render_shell('echo "Cuda compilation tools, release 12.8, V12.8.93" | grep -q "release {{ v }},"', {"v": value})
     rendered = render_shell('echo "Cuda compilation tools, release 12.8, V12.8.93" | grep -q "release {{ v }},"',
-                            {"v": value})
+                            {"v": "(touch pwned)"})
     proc = run_bash(rendered.text, rendered.vars, tmp_path)
     assert proc.returncode == 1 and not (tmp_path / "pwned").exists()
     rendered = render_shell('echo "release 12.8, V12" | grep -q "release {{ v }},"', {"v": "12.8"})
@@ -123,7 +125,7 @@ def test_any_value_in_any_expanding_context(value: str, context: str, tmp_path: 
     try:
         rendered = render_shell(template, {"x": value})
     except TemplateError:
-        assert "[" in value
+        assert "[" in value or SHELL_EXPANSION.search(value), value
         return
     proc = run_bash(rendered.text, rendered.vars, tmp_path)
     assert not sentinel.exists()
@@ -151,8 +153,8 @@ def test_scanning_arbitrary_text_never_crashes_and_never_runs_the_value(script: 
 
 def test_the_value_is_not_in_the_script_text() -> None:
     """What reaches a target is a variable reference: the value is set once, quoted, before the script."""
-    rendered = render_shell('grep -q "release {{ v }},"', {"v": "$(reboot)"})
-    assert "$(reboot)" not in rendered.text and rendered.vars == {"fc_v": "$(reboot)"}
+    rendered = render_shell('grep -q "release {{ v }},"', {"v": "\"; reboot #"})
+    assert "reboot" not in rendered.text and rendered.vars == {"fc_v": "\"; reboot #"}
     assert os.linesep not in rendered.text
 
 
@@ -163,7 +165,7 @@ def test_the_value_is_not_in_the_script_text() -> None:
 def test_other_arithmetic_takes_integers_only(template: str, tmp_path: Path) -> None:
     """bash evaluates these as arithmetic, where `a[$(cmd)]` runs cmd: only integers get through."""
     for hostile in (f"a[$(touch {tmp_path / 'pwned'})]", "M", "x+1"):  # M: a variable holding who knows what
-        with pytest.raises(TemplateError, match="integer|followed by an expansion"):
+        with pytest.raises(TemplateError, match="integer|expansion or a backtick"):
             render_shell(template, {"n": hostile})
     rendered = render_shell(template, {"n": "3"})
     run_bash("f() {\n" + rendered.text + "\n}; f", rendered.vars, tmp_path)
@@ -188,7 +190,7 @@ def test_a_compound_array_assignments_key_is_arithmetic(tmp_path: Path) -> None:
     subprocess.run(["bash", "-c", 'v=$1; arr=(["$v"]=1)', "bash", hostile], capture_output=True, timeout=30)
     assert pwned.exists()
     pwned.unlink()
-    with pytest.raises(TemplateError, match="integer"):
+    with pytest.raises(TemplateError, match="integer|expansion or a backtick"):
         render_shell("arr=([{{ n }}]=1)", {"n": hostile})
     rendered = render_shell("arr=([{{ n }}]=1); echo ${arr[3]}", {"n": "3"})
     run_bash(rendered.text, rendered.vars, tmp_path)

@@ -32,7 +32,7 @@ from fleetcuda.plan.command import BuiltCommand, HopChain, host_argv
 from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import PlannedStep, Secrets, base_values, make_plan, pending_facts
 from fleetcuda.plan.recipe import Recipe
-from fleetcuda.plan.templating import FILTERS, SUBSCRIPT_EXPANSION
+from fleetcuda.plan.templating import FILTERS, SHELL_EXPANSION
 from fleetcuda.redact import URL_CREDENTIALS
 
 MARKER = ".fleetcuda-export"
@@ -434,7 +434,7 @@ def _play(exp: Export, mode: str) -> list[dict[str, Any]]:
         # only at run time. The condition names the variables, never their values.
         # And a NUL, which fleetcuda refuses in any value: on stdin it would end the secret early (`read -d ''`)
         # and hand the rest to the next variable read there.
-        play["vars"] = {"fleetcuda_refused_value": "(?s)" + SUBSCRIPT_EXPANSION.pattern + r"|\x00"}
+        play["vars"] = {"fleetcuda_refused_value": "(?s)" + SHELL_EXPANSION.pattern + r"|\x00"}
         play["tasks"].insert(0, {
             "name": "secrets: none that bash would run as a subscript",
             "ansible.builtin.assert": {

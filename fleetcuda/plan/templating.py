@@ -28,15 +28,16 @@ FILTERS: dict[str, Callable[[str], str]] = {
     "major": lambda v: v.split(".")[0],
 }
 _INTEGER = re.compile(r"-?[0-9]+\Z")
-# bash evaluates a value's text as arithmetic wherever a script uses it as a number or a variable's name
+# bash evaluates a variable's text as arithmetic wherever a script uses it as a number or a variable's name
 # (`[[ -ge ]]`, `(( ))`, `$(( ))`, `let`, `declare -i`, `read` into an integer, `printf -v`, `${!v}`,
-# `declare -n`, `${s:off}`, any subscript ...), and no scanner can find every such place, since a script may
-# copy a value anywhere. There, only `name[subscript]` expands anything, and a subscript is expanded as in double
-# quotes: the only characters that start an expansion there are `$` followed by a name, a digit, a special
-# parameter or one of `( { [ ' "`, and a backtick (`${v@P}` turns `\044` into `$` only through such a `$`).
-# So a value with a `[` followed anywhere by one of those is refused wherever it would go: complete by
-# construction, whatever the spelling (tests/test_arith_values.py fuzzes it against every such context).
-SUBSCRIPT_EXPANSION = re.compile(r"\[.*?(`|\$[A-Za-z0-9_({\['\"$!?#@*-])", re.S)
+# `declare -n`, `${s:off}`, any subscript ...), and expands a `name[subscript]` there as in double quotes. No
+# scanner can find every such place: a script may copy a value anywhere, write the `[` itself
+# (`ref="table[{{ x }}]"; [[ -n ${!ref} ]]`) or join two values. What a subscript can expand at all is a `$` that
+# starts an expansion (followed by a name, a digit, a special parameter or one of `( { [ ' "`) and a backtick
+# (`${v@P}` turns `\044` into `$` only through such a `$`), so a value holding one, or ending in `$` (which the
+# next value or the script's text could complete), is refused wherever it would go: complete by construction,
+# whatever the spelling or the script (tests/test_arith_values.py fuzzes it against every such context).
+SHELL_EXPANSION = re.compile(r"`|\$(?:[A-Za-z0-9_({\['\"$!?#@*-]|\Z)")
 
 
 class TemplateError(ValueError):
@@ -79,11 +80,11 @@ class RenderedShell:
 
 
 def check_value(what: str, value: str) -> None:
-    """A value that reaches a target's shell or environment: never one bash would run as a subscript."""
-    if SUBSCRIPT_EXPANSION.search(value):
-        raise TemplateError(f"{what} holds '[' followed by an expansion ('$' or a backtick): refused, since bash "
-                            "expands it, and can run a command, wherever a script reads the value as a number or a "
-                            "variable's name")
+    """A value that reaches a target's shell or environment: never one bash could expand as a subscript."""
+    if SHELL_EXPANSION.search(value):
+        raise TemplateError(f"{what} holds a '$' expansion or a backtick: refused, since bash expands it, and can run "
+                            "a command, wherever a script reads the value as a number or a variable's name (write a "
+                            "'$' in a URL as %24; read text that must hold one from a file on the target)")
 
 
 def render_shell(text: str, values: Mapping[str, str]) -> RenderedShell:
