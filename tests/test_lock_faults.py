@@ -174,3 +174,31 @@ def test_a_signal_during_the_first_round_trip_releases_the_lock(env: dict[str, o
     again = run_fleetcuda("apply", SLOW_CHECKS, *common(env, "bashhost"), "--var", "check_seconds=0",
                           state=env["state"])
     assert again.returncode == 0, again.stdout
+
+
+def test_a_live_apply_from_another_pid_namespace_is_not_taken_over(env: dict[str, object]) -> None:
+    """Two control machines that are containers of one host (same machine id and boot id, each its own pid
+    namespace): the second apply refuses, it does not take the first one's lock over as dead."""
+    vmid = env["bashhost"]
+    assert isinstance(vmid, int)
+    first = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m",
+                              "fleetcuda", "apply", SLOW, *common(env, "bashhost"), "--var", "seconds=40"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                             env={**os.environ, "FLEETCUDA_STATE_DIR": str(env["state"]), "COLUMNS": "200"})
+    try:
+        wait_for("the step", lambda: step_pids(vmid, 40), run=first)
+        second = run_fleetcuda("apply", SLOW, *common(env, "bashhost"), "--var", "seconds=0", state=env["state"])
+        assert second.returncode == 1, second.stdout
+        assert re.search(rf"bashhost/{vmid} done: locked: another fleetcuda apply holds "
+                         rf"/run/lock/fleetcuda-apply-{vmid} on bashhost/{vmid}: root@\S+ pid 1 ", second.stdout), \
+            second.stdout
+        assert "take-over" not in second.stdout and "slow-marker: apply" not in second.stdout
+        assert step_pids(vmid, 40)  # the first run's step goes on
+    finally:
+        # Its fleetcuda (pid 1 there, the child of unshare here) is told to stop: it stops its step and releases.
+        children = Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()
+        for pid in children:
+            os.kill(int(pid), signal.SIGTERM)
+        out, _ = first.communicate(timeout=120)
+    assert "interrupted during slow-marker" in out, out
+    assert not Path(f"/run/lock/fleetcuda-apply-{vmid}").exists(), out
