@@ -101,7 +101,8 @@ def test_ctrl_c_during_a_transfer_aborts_it(tmp_path: Path, signals: None) -> No
     assert fake.files.paths(None) == []  # the partial upload's staging directory was removed
 
 
-TWO_CHECKS = "  - name: a\n    check: test -e /a\n    apply: touch /a\n  - name: b\n    check: test -e /b\n    apply: touch /b\n"
+TWO_CHECKS = ("  - name: a\n    check: test -e /a\n    apply: touch /a\n"
+              "  - name: b\n    check: test -e /b\n    apply: touch /b\n")
 
 
 def test_ctrl_c_during_the_first_round_trip_releases_the_lock_it_may_have_taken(tmp_path: Path,
