@@ -35,30 +35,23 @@ SLOW_CHECKS = str(REPO / "tests/data/slow_checks.yaml")
 
 @pytest.fixture
 def env(sshd_lab: LoopbackSshd, tmp_path: Path) -> Iterator[dict[str, object]]:
-    """Two containers of vmids nobody else uses (their locks are this machine's /run/lock/fleetcuda-apply-N):
-    one on a root login, one on a sudo login."""
-    root_vmid, dash_vmid = (3000 + secrets.randbelow(6000) for _ in range(2))
-    for vmid in (root_vmid, dash_vmid):
-        sshd_lab.add_container(vmid, name=f"c{vmid}")
+    """A container of a vmid nobody else uses (its lock is this machine's /run/lock/fleetcuda-apply-N), on a root
+    login (the sudo logins' sudoers drop-in is shared by every loopback lab of this machine)."""
+    vmid = 3000 + secrets.randbelow(6000)
+    sshd_lab.add_container(vmid, name=f"c{vmid}")
     root = tmp_path / "root"
     root.mkdir()
     os.chmod(tmp_path, 0o755)
-
-    def host(name: str, user: str, vmid: int, sudo: bool) -> str:
-        return (f"  {name}:\n    address: 127.0.0.1\n    port: {sshd_lab.port}\n    user: {user}\n"
-                f"    identity_file: {sshd_lab.identity}\n    known_hosts: {sshd_lab.known_hosts}\n"
-                f"    pct: {sshd_lab.pct_path}\n    sudo: {'true' if sudo else 'false'}\n    containers:\n"
-                f"      {vmid}:\n        name: c{vmid}\n")
-
     inv = tmp_path / "inv.yaml"
-    inv.write_text("hosts:\n" + host("bashhost", "root", root_vmid, False)
-                   + host("dashhost", sshd_lab.users["dash"], dash_vmid, True))
-    yield {"inv": inv, "root": root, "state": tmp_path / "fc", "bashhost": root_vmid, "dashhost": dash_vmid}
-    for vmid in (root_vmid, dash_vmid):
-        for pid in step_pids(vmid, 40) + step_pids(vmid, 20):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        subprocess.run(["rm", "-rf", f"/run/lock/fleetcuda-apply-{vmid}"], check=False)
+    inv.write_text(f"hosts:\n  bashhost:\n    address: 127.0.0.1\n    port: {sshd_lab.port}\n    user: root\n"
+                   f"    identity_file: {sshd_lab.identity}\n    known_hosts: {sshd_lab.known_hosts}\n"
+                   f"    pct: {sshd_lab.pct_path}\n    sudo: false\n    containers:\n"
+                   f"      {vmid}:\n        name: c{vmid}\n")
+    yield {"inv": inv, "root": root, "state": tmp_path / "fc", "bashhost": vmid}
+    for pid in step_pids(vmid, 40) + step_pids(vmid, 20):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    subprocess.run(["rm", "-rf", f"/run/lock/fleetcuda-apply-{vmid}"], check=False)
 
 
 def start(*args: str, state: object) -> subprocess.Popen[str]:
