@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.connectors.fake import FakeTransport, exit_with
+from fleetcuda.connectors.base import RunResult
+from fleetcuda.connectors.fake import Call, FakeTransport, exit_with
+from fleetcuda.errors import UnreachableError
 from fleetcuda.results import ExitStatus, StepStatus, TargetStatus, exit_code
 from fleetcuda.run.locks import run_owner
 from tests.run_support import make_engine
@@ -127,3 +129,20 @@ def test_the_lock_is_refreshed_while_held(tmp_path: Path, how: str, monkeypatch:
     assert words[0] == "held" and words[-1] == "released" and set(words[1:-1]) == {"refreshed"}
     time.sleep(0.05)
     assert fake.locks.said("refreshed") == words.count("refreshed")
+
+
+def test_a_lock_taken_by_a_batch_whose_answer_was_lost_is_released(tmp_path: Path) -> None:
+    """The batch took the lock on the target, then its connection dropped before any answer (and again when sent
+    once more): the target is unreachable, and the lock it may hold is released over a new connection."""
+    engine, fake = make_engine(tmp_path, TWO_STEPS, locked=True)
+    lock = engine.locks.lock
+    assert lock is not None
+
+    def took_the_lock_then_dropped(call: Call) -> RunResult:
+        fake.locks.hold(LOCK, lock.owner)
+        raise UnreachableError("h: connection lost")
+
+    fake.on(label="fleetcuda-batch", reply=took_the_lock_then_dropped)
+    [result] = engine.run()
+    assert result.status == TargetStatus.UNREACHABLE
+    assert fake.locks.owners == {} and [w for w, _, _ in fake.locks.events] == ["released"]
