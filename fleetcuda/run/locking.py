@@ -61,6 +61,8 @@ class LockKeeper:
         the target says processes of that run still run there (then the target is locked, TargetLocked)."""
         assert self.lock is not None
         word, fields = lock_state(framing.parse(res.output, plan.nonce))
+        if word == "busy":
+            self.maybe.discard(plan.target.id)  # the target said whose it is: not this run's
         if word != "busy" or len(fields) < 2:
             return False
         owner = " ".join(fields[1:])
