@@ -95,10 +95,6 @@ class LockKeeper:
         if plan.target.id not in self.held and res.rc != 0:
             maybe_unreachable(res, plan.target)
 
-    @staticmethod
-    def word(plan: Plan, res: RunResult) -> str | None:
-        return lock_state(framing.parse(res.output, plan.nonce))[0]
-
     # -- keeping it -----------------------------------------------------------------------
 
     def start_refreshing(self) -> None:
