@@ -159,6 +159,12 @@ def test_dropped_connection_mid_apply_is_a_clear_error_and_the_next_run_converge
     assert re.search(r"dashhost/320 done: unreachable: fcd@\[127\.0\.0\.1\]:\d+: .*(connection lost|cannot connect)|"
                      r"dashhost/320 done: unreachable: 127\.0\.0\.1: connection lost", out), out
     assert "zshhost/310 done: changed" in out  # the other host finished
+    # The step goes on in the container after the drop, and holds the target's lock until it ends
+    # (test_lock_faults.py): the next run is started once it has.
+    deadline = time.monotonic() + 30
+    while labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=3\n"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     again = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
     assert "dashhost/320 done:" in again.stdout
 
@@ -189,6 +195,14 @@ def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
     run.wait()
     try:
         assert Path("/run/lock/fleetcuda-apply-301/owner").read_text().startswith("root@")
+        # Its step goes on in the container and keeps the lock (test_lock_faults.py), until it ends: here, now.
+        for pid in labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=30\n"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        deadline = time.monotonic() + 20
+        while labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=30\n"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         out = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
         assert "bashhost/301 lock: take-over" in out.stdout
         assert "bashhost/301 done: changed" in out.stdout

@@ -99,3 +99,30 @@ def test_ctrl_c_during_a_transfer_aborts_it(tmp_path: Path, signals: None) -> No
     assert "building here instead" not in log_of(engine, "h/201")
     assert " ext put\n$ put " in log_of(engine, "h/201") and "(put failed: " in log_of(engine, "h/201")
     assert fake.files.paths(None) == []  # the partial upload's staging directory was removed
+
+
+TWO_CHECKS = ("  - name: a\n    check: test -e /a\n    apply: touch /a\n"
+              "  - name: b\n    check: test -e /b\n    apply: touch /b\n")
+
+
+def test_ctrl_c_during_the_first_round_trip_releases_the_lock_it_may_have_taken(tmp_path: Path,
+                                                                                 signals: None) -> None:
+    """The batch (checks and the lock) was sent and the target took the lock, but no answer came before Ctrl-C:
+    the lock is released all the same (else every other apply would find the target locked for 15 min)."""
+    engine, fake = make_engine(tmp_path, TWO_CHECKS, inventory=TWO_CONTAINERS.replace(
+        "      202:\n        venv: /root/venv\n", ""), locked=True)
+    gate = fake.block(label="fleetcuda-batch")
+    lock = engine.locks.lock
+    assert lock is not None
+
+    def target_takes_the_lock_then_ctrl_c() -> None:
+        gate.wait_entered()
+        fake.locks.hold("fleetcuda-apply-201", lock.owner)  # what the batch's first lines did on the target
+        ctrl_c()
+
+    threading.Thread(target=target_takes_the_lock_then_ctrl_c, daemon=True).start()
+    [result] = engine.run()
+    assert engine.interrupted and result.status == TargetStatus.INTERRUPTED
+    assert fake.locks.owners == {}  # released
+    assert [(w, name) for w, name, _ in fake.locks.events] == [("released", "fleetcuda-apply-201")]
+    assert "# lock released after the interruption" in log_of(engine, "h/201")

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetcuda.connectors.fake import FakeTransport, exit_with
+from fleetcuda.connectors.base import RunResult
+from fleetcuda.connectors.fake import Call, FakeTransport, exit_with
+from fleetcuda.errors import UnreachableError
 from fleetcuda.results import ExitStatus, StepStatus, TargetStatus, exit_code
 from fleetcuda.run.locks import run_owner
 from tests.run_support import make_engine
@@ -69,7 +71,8 @@ def test_the_lock_is_released_when_the_target_ends(tmp_path: Path) -> None:
     def same_run(owner: str) -> str:  # the owner says when it was made, to the second: compare the rest
         return re.sub(r" since \S+ ", " ", owner)
 
-    assert same_run(fake.locks.events[0][2]) == same_run(run_owner())  # it was this run's
+    # It was this run's: this process, and this run's id (whose processes the target keeps the lock for).
+    assert same_run(fake.locks.events[0][2]) == same_run(f"{run_owner()} run {engine.run_id}")
     assert [c.phase for c in fake.calls_for(step="lock")] == ["release"]
     assert fake.locks.owners == {}
 
@@ -126,3 +129,20 @@ def test_the_lock_is_refreshed_while_held(tmp_path: Path, how: str, monkeypatch:
     assert words[0] == "held" and words[-1] == "released" and set(words[1:-1]) == {"refreshed"}
     time.sleep(0.05)
     assert fake.locks.said("refreshed") == words.count("refreshed")
+
+
+def test_a_lock_taken_by_a_batch_whose_answer_was_lost_is_released(tmp_path: Path) -> None:
+    """The batch took the lock on the target, then its connection dropped before any answer (and again when sent
+    once more): the target is unreachable, and the lock it may hold is released over a new connection."""
+    engine, fake = make_engine(tmp_path, TWO_STEPS, locked=True)
+    lock = engine.locks.lock
+    assert lock is not None
+
+    def took_the_lock_then_dropped(call: Call) -> RunResult:
+        fake.locks.hold(LOCK, lock.owner)
+        raise UnreachableError("h: connection lost")
+
+    fake.on(label="fleetcuda-batch", reply=took_the_lock_then_dropped)
+    [result] = engine.run()
+    assert result.status == TargetStatus.UNREACHABLE
+    assert fake.locks.owners == {} and [w for w, _, _ in fake.locks.events] == ["released"]

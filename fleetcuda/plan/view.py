@@ -108,7 +108,7 @@ Format = Literal["human", "shell", "json"]
 SCHEMA = "fleetcuda.plan/1"
 MAX_LINE = 160
 # Where apply's own values are unknown before it runs (see the module docstring).
-DEFAULT_LOCK_OWNER = "<user>@<machine> pid <pid> since <time> machine <id> boot <id> start <ticks>"
+DEFAULT_LOCK_OWNER = "<user>@<machine> pid <pid> since <time> machine <id> boot <id> start <ticks> pidns <ns>"
 DEFAULT_RUN_ID = "00000000"
 DEFAULT_NONCE = "0" * 16
 TARGET_WHEEL_DIR = "/tmp/fleetcuda-wheel.XXXXXX"
@@ -794,7 +794,7 @@ def render(fmt: Format, recipe: Recipe, inventory: Inventory, targets: list[Targ
     if fmt not in ("human", "shell", "json"):
         raise ValueError(f"unknown dry-run format {fmt!r}: expected human, shell or json")
     run = run_id or DEFAULT_RUN_ID
-    lock = TargetLock(lock_owner, wait_s=lock_wait_s)
+    lock = TargetLock(lock_owner, wait_s=lock_wait_s, run_id=run)
     views = [plan_target(recipe, t, overrides, home(t), run_id=run, nonce=nonce or DEFAULT_NONCE, lock=lock)
              for t in targets]
     if fmt == "shell":

@@ -74,6 +74,8 @@ def _batch(ctx: RunContext, locks: LockKeeper, plan: Plan, channel: TargetChanne
         return {}
     cmd = batch_command(plan, probes, lock, on_host=on_host)
     name = "host-steps" if on_host else "all-steps"
+    if lock is not None:
+        locks.sending_acquire(plan)  # from here on the lock may be this run's, answer or not
     res = channel.exec(name, "verify" if verify else "check", cmd, None)
     if lock is not None:
         if locks.took_over_dead_lock(plan, channel, res):

@@ -12,6 +12,7 @@ failed), channel (the one logged, redacted, cancellable path to a target, comman
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
@@ -74,6 +75,8 @@ class Engine:
                               prepared=dict(planned.plans) if planned else {})
         if lock_refresh_s is None:
             lock_refresh_s = float(os.environ.get("FLEETCUDA_LOCK_REFRESH_S") or LOCK_REFRESH_S)
+        if lock is not None and not lock.run_id:  # the lock stands for this run's labelled processes (lock.sh)
+            lock = dataclasses.replace(lock, run_id=self.ctx.run_id)
         self.locks = LockKeeper(self.ctx, lock if mode == "apply" else None, lock_refresh_s)
         self.cache = cache or WheelCache()
         self.shared = SharedBuilds(self.ctx, self.cache, sleep)
