@@ -128,6 +128,23 @@ def test_a_timed_out_apply_is_never_sent_again(tmp_path: Path) -> None:
     assert results[0].status == TargetStatus.FAILED and "timed out after 5s" in results[0].steps[0].detail
 
 
+@pytest.mark.parametrize("mode", ["apply", "verify"])
+def test_a_step_killed_quickly_is_reported_killed_not_timed_out(tmp_path: Path, mode: str) -> None:
+    # A container stopped mid-step: `pct exec` ends 137 after 3 s of a 1800 s timeout (issue 22.9a).
+    steps = "  - name: build\n    check: 'false'\n    apply: 'sleep 100'\n    verify: 'sleep 50'\n    retries: 2\n"
+
+    def reply(cmd: BuiltCommand) -> RunResult:
+        return RunResult(137, "", 3.2) if "sleep" in cmd.argv[-2] else RunResult(1, "", 0.0)
+
+    engine, transport = _engine(tmp_path, steps, reply, mode=mode)
+    [result] = engine.run()
+    detail = result.steps[0].detail
+    assert result.status == TargetStatus.FAILED, result
+    assert "timed out" not in detail
+    assert "killed (exit 137: the container stopped or the process was killed)" in detail
+    assert len([c for c in transport.sent if "sleep 100" in c.argv[-2]]) == (1 if mode == "apply" else 0)
+
+
 def test_a_failed_apply_that_did_not_time_out_is_retried(tmp_path: Path) -> None:
     steps = "  - name: flaky\n    check: 'false'\n    apply: 'exit 3'\n    retries: 2\n    retry_delay: 0\n"
     engine, transport = _engine(tmp_path, steps, lambda cmd: RunResult(3 if "exit 3" in cmd.argv[-2] else 1, "", 0),
