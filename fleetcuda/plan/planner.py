@@ -227,11 +227,13 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
         shell_vars.update(body.vars)
         sources.update(body.names)
         # stderr stays out of the value: a library's warning must not become a version number.
-        parts.append(f"{framing.frame('fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -n 1 "
-                     f"| {framing.PAYLOAD}")
+        # (Its last line out of its last 64 KiB: `tail -n 1` alone holds an endless line whole.)
+        parts.append(f"{framing.frame('fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -c {CHECK_TAIL} "
+                     f"| tail -n 1 | {framing.PAYLOAD}")
     inv = invocation("\n".join(parts), base_env(target, home), shell_vars, sources, Secrets(recipe, values),
                      timeout=120, label=internal_label("facts", run_id))
-    return build(target.chain, replace(inv, secret_vars={**framing.nonce_vars(nonce), **inv.secret_vars}))
+    cmd = build(target.chain, replace(inv, secret_vars={**framing.nonce_vars(nonce), **inv.secret_vars}))
+    return replace(cmd, output_keep=64 * 1024 + len(names) * (2 * CHECK_TAIL + 1024))
 
 
 def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:

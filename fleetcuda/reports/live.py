@@ -45,7 +45,9 @@ class PlainReporter(Reporter):
     """One timestamped line per event: for cron, CI and pipes."""
 
     def __init__(self, stream: TextIO | None = None, show_output: bool = False):
-        self.stream = stream or sys.stdout
+        from fleetcuda.reports.streams import guarded
+
+        self.stream = guarded(stream or sys.stdout)  # a reader that left stops the lines, never the run
         self.show_output = show_output
         self.lock = threading.Lock()
 
