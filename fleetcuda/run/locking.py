@@ -57,7 +57,10 @@ class LockKeeper:
             return False
         cmd = lock_command(plan, self.lock.take_over(vmid_of(plan), owner))
         done = channel.exec("lock", "take-over", cmd, None)
-        return self.word(plan, done) == "taken-over"
+        if self.word(plan, done) != "taken-over":
+            return False
+        self.ctx.reporter.notice(plan.target.id, f"took over the lock of a run that is gone: {owner}")
+        return True
 
     def settle(self, plan: Plan, res: RunResult) -> None:
         """What the target said of its lock: held (noted), released, or busy (the target fails, TargetLocked)."""
@@ -70,7 +73,10 @@ class LockKeeper:
                 raise TargetLocked(f"another fleetcuda apply holds {where} on {plan.target.id}: {owner or '?'}"
                                    f" (wait with --lock-wait SECONDS; a lock its run has not refreshed for "
                                    f"{LOCK_STALE_S // 60} min is taken over)")
-            if word == "held":
+            if word == "stale":
+                self.ctx.reporter.notice(plan.target.id, f"took over a stale lock (not refreshed for "
+                                                         f"{LOCK_STALE_S // 60} min): {' '.join(fields) or '?'}")
+            elif word == "held":
                 self.held.add(plan.target.id)
             elif word == "released":
                 self.held.discard(plan.target.id)
@@ -115,8 +121,13 @@ class LockKeeper:
             res = channel.exec_always("lock", "release", lock_command(plan, self.lock.release(vmid_of(plan))))
             if self.word(plan, res) == "released":
                 self.held.discard(target.id)
+                return
+            why = f"exit {res.rc}"
         except (FleetcudaError, OSError) as exc:
             channel.write(f"# could not release the lock: {exc}")
+            why = str(exc)
+        self.ctx.reporter.notice(target.id, f"could not release the apply lock ({why}): other runs wait for it "
+                                            f"until it is stale ({LOCK_STALE_S // 60} min)")
 
     def release_after_interrupt(self, target: Target) -> None:
         plan = self.ctx.plans.get(target.id)
@@ -128,5 +139,9 @@ class LockKeeper:
             if self.word(plan, res) == "released":
                 self.held.discard(target.id)
                 self.ctx.append_log(target, "# lock released after the interruption")
-        except (FleetcudaError, OSError):
-            pass
+                return
+            why = f"exit {res.rc}"
+        except (FleetcudaError, OSError) as exc:
+            why = str(exc)
+        self.ctx.reporter.notice(target.id, f"could not release the apply lock ({why}): other runs wait for it "
+                                            f"until it is stale ({LOCK_STALE_S // 60} min)")
