@@ -145,3 +145,28 @@ def test_a_long_output_keeps_its_head_and_tail_and_says_what_was_dropped(line: b
         kept = text.replace(f"[... {count} bytes dropped ...]\n", "")
         # (A line cut into lines of MAX_LINE gains their newlines: one per 64 KiB at most.)
         assert 0 <= len(kept.encode()) + count - len(data) <= len(data) // 65536 + 1
+
+
+# -- the batch shell's cap, run for real ------------------------------------------------------------------------
+
+
+def test_a_batched_checks_output_is_whole_up_to_its_cap_then_head_dropped_count_tail(tmp_path: Path) -> None:
+    from tests.test_check_batch import _plan, _run_batch
+
+    steps = "".join(f"  - name: s{n}\n    verify: |\n      {script}\n" for n, script in enumerate([
+        r"head -c 65530 /dev/zero | tr '\0' x; printf 'a\nb\n'; exit 3",  # across the head's end: whole
+        "seq 1 100000",  # 588895 bytes: cut
+        "printf 'no newline'",
+    ]))
+    plan = _plan(tmp_path, steps, sys.executable)
+    results, _ = _run_batch(plan)
+    assert results[0].rc == 3 and results[0].output == "x" * 65530 + "a\nb"
+    assert results[2].rc == 0 and results[2].output == "no newline"
+    out = results[1].output
+    assert results[1].rc == 0
+    [count] = [int(n) for n in re.findall(r"^\[\.\.\. (\d+) bytes dropped \.\.\.\]$", out, re.M)]
+    head, _, tail = out.partition(f"\n[... {count} bytes dropped ...]\n")
+    whole = "".join(f"{n}\n" for n in range(1, 100001))
+    assert whole.startswith(head) and whole.rstrip("\n").endswith("\n" + tail)
+    assert len(head) + count + len(tail) + 1 == len(whole)  # (the head ends within a line: a newline is added)
+    assert len(out) < 2 * 65536 + 100

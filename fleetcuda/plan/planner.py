@@ -360,17 +360,23 @@ _BASH_EXPORTS = "PATH LANG HOME"
 
 # What the batch keeps of a check's output (issue 22.3): its first CHECK_HEAD and last CHECK_TAIL bytes, and how
 # many were between ("[... N bytes dropped ...]" in their place). The check writes into a pipe, never into
-# this shell's memory: fc_cap keeps the head and the tail in files of a private directory (dd counts the rest),
-# fc_show prints them as payload lines, with builtins. Without a directory, the head only, printed at once. The
-# directory is removed however the batch ends (a check's subshell resets these traps: it shows none).
+# this shell's memory: fc_cap keeps the head (bash's read) and the tail (tail -c) in files of a private
+# directory (dd counts what follows the head), fc_show prints them as payload lines, with builtins. Without a
+# directory, the head only, printed at once. The directory is removed however the batch ends (a check's
+# subshell resets these traps: it shows none).
 CHECK_HEAD = 64 * 1024
 CHECK_TAIL = 64 * 1024
 _CAP = f"""fc_d=$(mktemp -d "${{TMPDIR:-/tmp}}/fleetcuda-out.XXXXXX" 2>/dev/null) || fc_d=
 trap 'rm -rf "$fc_d"' EXIT; trap 'exit 143' TERM; trap 'exit 129' HUP
 fc_cap() {{
   if [ -n "$fc_d" ]; then
-    head -c {CHECK_HEAD} >"$fc_d/h"
-    dd bs=65536 2>"$fc_d/n" | tail -c {CHECK_TAIL} >"$fc_d/t"
+    local LC_ALL=C fc_x  # (the head by bash's read: no process for what most checks print)
+    if IFS= read -r -d '' -N {CHECK_HEAD} fc_x; then
+      printf '%s' "$fc_x" >"$fc_d/h"
+      dd bs=65536 2>"$fc_d/n" | tail -c {CHECK_TAIL} >"$fc_d/t"
+    else
+      printf '%s' "$fc_x" >"$fc_d/h"; : >"$fc_d/t"
+    fi
   else
     {{ head -c {CHECK_HEAD}; cat >/dev/null; }} | sed 's/^/| /'
   fi
