@@ -68,3 +68,26 @@ def test_an_endless_check_alone_over_ssh_and_pct(tmp_path: Path) -> None:
     for log in logs:
         assert log.stat().st_size < MAX_LOG
         assert re.search(r"^\[\.\.\. \d+ bytes dropped \.\.\.\]$", log.read_text(), re.M)
+
+
+def test_an_apply_piped_into_head_converges_over_ssh_and_pct(tmp_path: Path) -> None:
+    # Issue 22.9b where a user meets it: the reader leaves after 3 lines, the run goes on to the end.
+    import secrets
+    import sqlite3
+
+    mark = f"/tmp/fleetcuda-22-9b-{secrets.token_hex(4)}"
+    r = tmp_path / "r.yaml"
+    r.write_text("name: r\nsteps:\n" + "".join(
+        f"  - name: s{n}\n    check: test -e {mark}-{n}\n    apply: sleep 0.3; touch {mark}-{n}\n" for n in range(3)))
+    state = tmp_path / "state"
+    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(state)}
+    command = (f"{sys.executable} -m fleetcuda apply {r} -i {INV} --limit {TARGETS} --plain --lock-wait 120 "
+               '| head -3; echo "rc=${PIPESTATUS[0]}" >&2')
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert len(proc.stdout.splitlines()) == 3
+    assert proc.stderr.strip().splitlines()[-1] == "rc=0", proc.stderr
+    with sqlite3.connect(state / "history.sqlite") as db:
+        assert db.execute("SELECT mode, exit_code FROM runs").fetchall() == [("apply", 0)]
+    again = subprocess.run([sys.executable, "-m", "fleetcuda", "verify", str(r), "-i", INV, "--limit", TARGETS,
+                            "--plain"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert again.returncode == 0, again.stdout  # every step of both targets had converged
