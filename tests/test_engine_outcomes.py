@@ -128,6 +128,23 @@ def test_a_timed_out_apply_is_never_sent_again(tmp_path: Path) -> None:
     assert results[0].status == TargetStatus.FAILED and "timed out after 5s" in results[0].steps[0].detail
 
 
+@pytest.mark.parametrize("mode", ["apply", "verify"])
+def test_a_step_killed_quickly_is_reported_killed_not_timed_out(tmp_path: Path, mode: str) -> None:
+    # A container stopped mid-step: `pct exec` ends 137 after 3 s of a 1800 s timeout (issue 22.9a).
+    steps = "  - name: build\n    check: 'false'\n    apply: 'sleep 100'\n    verify: 'sleep 50'\n    retries: 2\n"
+
+    def reply(cmd: BuiltCommand) -> RunResult:
+        return RunResult(137, "", 3.2) if "sleep" in cmd.argv[-2] else RunResult(1, "", 0.0)
+
+    engine, transport = _engine(tmp_path, steps, reply, mode=mode)
+    [result] = engine.run()
+    detail = result.steps[0].detail
+    assert result.status == TargetStatus.FAILED, result
+    assert "timed out" not in detail
+    assert "killed (exit 137: the container stopped or the process was killed)" in detail
+    assert len([c for c in transport.sent if "sleep 100" in c.argv[-2]]) == (1 if mode == "apply" else 0)
+
+
 def test_a_failed_apply_that_did_not_time_out_is_retried(tmp_path: Path) -> None:
     steps = "  - name: flaky\n    check: 'false'\n    apply: 'exit 3'\n    retries: 2\n    retry_delay: 0\n"
     engine, transport = _engine(tmp_path, steps, lambda cmd: RunResult(3 if "exit 3" in cmd.argv[-2] else 1, "", 0),
@@ -147,3 +164,38 @@ def test_labels_are_unique_per_run(tmp_path: Path) -> None:
     assert labels[0].isdisjoint(labels[1])
     # A step named like fleetcuda's own stop script still has a label of its own kind.
     assert labels[0] and all(label.startswith("fleetcuda:stop@") for label in labels[0])
+
+
+class _Notices(Reporter):
+    def __init__(self) -> None:
+        self.said: list[tuple[str, str]] = []
+
+    def notice(self, target: str, text: str) -> None:
+        self.said.append((target, text))
+
+
+def test_a_stale_lock_taken_over_and_a_lock_not_released_are_said_on_the_console(tmp_path: Path) -> None:
+    # Issue 22.9c: not only in the target's log.
+    from fleetcuda.run.locks import TargetLock, run_owner
+
+    def reply(cmd: BuiltCommand) -> RunResult:
+        mark = "@@fleetcuda:" + cmd.stdin.split("\0")[0]
+        call = cmd.argv[-2].rsplit("\n", 1)[-1]  # lock.sh's functions, then the one called
+        if call.startswith("fleetcuda_lock_acquire "):
+            return RunResult(0, f"\n{mark} lock stale someone@else pid 7\n\n{mark} lock held\n", 0.1)
+        if call.startswith("fleetcuda_lock_release "):
+            return RunResult(1, "rm: cannot remove '/run/lock/fleetcuda-apply': Read-only file system\n", 0.1)
+        return RunResult(0, "", 0.1)
+
+    recipe, targets = _setup(tmp_path, "  - name: a\n    check: 'true'\n    apply: 'true'\n")
+    reporter = _Notices()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    transport = ScriptedTransport(reply)
+    engine = Engine(recipe, targets, {}, "apply", TransportPool(lambda host: transport), reporter, run_dir,
+                    lock=TargetLock(run_owner()))
+    [result] = engine.run()
+    assert result.status == TargetStatus.OK
+    said = "\n".join(text for _, text in reporter.said)
+    assert "took over a stale lock (not refreshed for 15 min): someone@else pid 7" in said
+    assert "could not release the apply lock (exit 1)" in said

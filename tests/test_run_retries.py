@@ -56,7 +56,7 @@ def test_an_apply_that_timed_out_is_never_retried(tmp_path: Path, rc: int) -> No
     sleeps = Sleeps()
     engine, fake = make_engine(tmp_path, flaky(retries=3, delay=1, timeout=5), sleep=sleeps)
     fake.on(step="fetch", phase="check", reply=exit_with(1))
-    fake.on(step="fetch", phase="apply", reply=exit_with(rc))
+    fake.on(step="fetch", phase="apply", reply=RunResult(rc, "", 5.0))  # `timeout` ends it after its 5 s
     [result] = engine.run()
     assert len(fake.calls_for(phase="apply")) == 1 and sleeps.waits == []
     assert result.steps[0].detail == "apply: apply failed (timed out after 5s)"

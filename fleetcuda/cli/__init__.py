@@ -75,7 +75,7 @@ def build_parser(env: Environment) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
     """The one error boundary: every exception of every command becomes an exit status here."""
-    env = env if env is not None else Environment.from_process()
+    env = (env if env is not None else Environment.from_process()).guarded()
 
     def say(text: str) -> None:  # a file name, a value or a target's words: never terminal control sequences
         env.say(printable(text))

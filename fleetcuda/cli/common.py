@@ -224,7 +224,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
             code = ExitStatus.FAILED if code == ExitStatus.OK else code
     if mode != "check" and not getattr(args, "no_history", False):
         try:
-            record(env.history_path, info, results)
+            record(env.history_path, info, results, on_error=lambda m: env.say(f"fleetcuda: warning: {m}"))
         except Exception as exc:  # sqlite3.Error, OSError: the run's result stands; say what was not kept
             env.say(f"fleetcuda: warning: this run was not recorded in {env.history_path}: {exc}")
     if not (mode == "verify" and args.format == "table"):  # the table already says where the logs are

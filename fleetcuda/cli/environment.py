@@ -74,6 +74,15 @@ class Environment:
                    stderr_is_terminal=stderr_is_terminal, environ=environ, home=home, cwd=cwd,
                    state_dir=state_dir if state_dir is not None else state_dir_of(environ, home), clock=clock)
 
+    def guarded(self) -> Environment:
+        """The same environment, its stdout and stderr guarded: a reader that left or a terminal that closed
+        stops what is written there, never the command (fleetcuda.reports.streams)."""
+        from dataclasses import replace
+
+        from fleetcuda.reports.streams import guarded
+
+        return replace(self, stdout=guarded(self.stdout), stderr=guarded(self.stderr))
+
     @property
     def state_dir_source(self) -> str:
         """How messages name the state directory: the variable that set it, if one did."""

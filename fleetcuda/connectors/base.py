@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -93,16 +94,52 @@ class Transport:
         pass
 
 
-class _LineSplitter:
-    """Bytes as they arrive -> whole lines to `on_line`, and the whole text at the end. Linear in the
-    output's size however long its lines (a partial line is kept as pieces, joined once it ends); a
-    character split across two reads is decoded whole."""
+# What is kept of one command's output, whatever the target prints (issue 22.3): in memory (results, frames,
+# tails) its first KEEP_HEAD and last KEEP_TAIL characters; in the log, and shown as it comes, its first
+# LOG_HEAD, then its last KEEP_TAIL at the end. What is between is counted and said, in its place:
+# "[... N bytes dropped ...]". A line longer than MAX_LINE is cut into lines of MAX_LINE. (A command whose
+# output is many parts, as a batch of checks each capped on the target, asks for a larger head: output_keep.)
+KEEP_HEAD = 64 * 1024
+KEEP_TAIL = 64 * 1024
+LOG_HEAD = 1024 * 1024
+MAX_LINE = 64 * 1024
 
-    def __init__(self, on_line: OnLine):
+
+def dropped_line(count: int) -> str:
+    return f"[... {count} bytes dropped ...]"
+
+
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+class _LineSplitter:
+    """Bytes as they arrive -> whole lines to `on_line`, and the output kept at the end, both bounded (see
+    KEEP_HEAD): the first `log_head` characters go to `on_line` line by line as they come, the first `keep_head`
+    stay in memory, and the last KEEP_TAIL are kept in a ring (whole lines while they are also streamed, the
+    raw text once they are not); at the end `on_line` gets the dropped count and the ring's lines it had not
+    had. Linear in the output's size however long its lines; a character split across two reads is decoded
+    whole."""
+
+    def __init__(self, on_line: OnLine, keep_head: int | None = None):
         self.on_line = on_line
+        self.keep_head = keep_head or KEEP_HEAD
+        self.log_head = max(LOG_HEAD, self.keep_head)
         self.pending: list[str] = []
-        self.parts: list[str] = []
+        self.pending_len = 0
+        self.head: list[str] = []  # the start of the output, kept in memory
+        self.head_len = 0
+        self.streamed = 0  # characters given to on_line as they came
+        self.ring: deque[tuple[str, bool]] = deque()  # (text, whether on_line had it): the output's last part
+        self.ring_len = 0
+        self.dropped_mem = 0  # bytes between the head and the ring
+        self.dropped_log = 0  # bytes on_line never had
+        self.ring_cut = False
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    @property
+    def streaming(self) -> bool:
+        return self.streamed < self.log_head
 
     def feed(self, data: bytes) -> None:
         self._text(self.decoder.decode(data))
@@ -110,22 +147,86 @@ class _LineSplitter:
     def _text(self, text: str) -> None:
         if not text:
             return
-        self.parts.append(text)
-        if "\n" not in text:
-            self.pending.append(text)
+        if not self.streaming:  # past what the log gets as it comes: only the ring's last part is kept
+            self._keep(text, logged=False)
             return
-        first, *rest = text.split("\n")
-        lines = ["".join([*self.pending, first]), *rest[:-1]]
-        self.pending = [rest[-1]] if rest[-1] else []
+        *lines, last = text.split("\n")
+        offset = 0
         for line in lines:
-            self.on_line(line.removesuffix("\r"))
+            offset += len(line) + 1
+            if self.pending:
+                line = "".join([*self.pending, line])
+                self.pending, self.pending_len = [], 0
+            self._line(line, "\n")
+            if not self.streaming:
+                self._keep(text[offset:], logged=False)
+                return
+        if not last:
+            return
+        self.pending.append(last)
+        self.pending_len += len(last)
+        while self.pending_len >= MAX_LINE and self.streaming:  # an endless line: cut into lines of MAX_LINE
+            line = "".join(self.pending)
+            self.pending, self.pending_len = [line[MAX_LINE:]], len(line) - MAX_LINE
+            self._line(line[:MAX_LINE], "\n")
+        if not self.streaming and self.pending:
+            self._keep("".join(self.pending), logged=False)
+            self.pending, self.pending_len = [], 0
+
+    def _line(self, line: str, end: str) -> None:
+        self.on_line(line.removesuffix("\r"))
+        self.streamed += len(line) + len(end)
+        if self.head_len < self.keep_head:
+            self.head.append(line + end)
+            self.head_len += len(line) + len(end)
+        else:
+            self._keep(line + end, logged=True)
+
+    def _keep(self, text: str, *, logged: bool) -> None:
+        self.ring.append((text, logged))
+        self.ring_len += len(text)
+        while self.ring_len > KEEP_TAIL:
+            first, was_logged = self.ring[0]
+            excess = self.ring_len - KEEP_TAIL
+            if len(first) <= excess:
+                gone = first
+                self.ring.popleft()
+            else:
+                gone = first[:excess]
+                self.ring[0] = (first[excess:], was_logged)
+            self.ring_cut = not gone.endswith("\n")  # the ring now starts within a line
+            self.ring_len -= len(gone)
+            size = _nbytes(gone)
+            self.dropped_mem += size
+            if not was_logged:
+                self.dropped_log += size
 
     def finish(self) -> str:
         self._text(self.decoder.decode(b"", final=True))
         if self.pending:
-            self.on_line("".join(self.pending))
-            self.pending = []
-        return "".join(self.parts).replace("\r\n", "\n")
+            line = "".join(self.pending)
+            self.pending, self.pending_len = [], 0
+            self._line(line, "")
+        tail = "".join(t for t, _ in self.ring)
+        logged_len = sum(len(t) for t, was_logged in self.ring if was_logged)
+        # A ring that starts within a line starts at the next one (what is cut off counts as dropped).
+        cut = tail.index("\n") + 1 if self.ring_cut and "\n" in tail else 0
+        if cut:
+            self.dropped_mem += _nbytes(tail[:cut])
+            if cut > logged_len:
+                self.dropped_log += _nbytes(tail[logged_len:cut])
+        unlogged = tail[max(cut, logged_len):]
+        if self.dropped_log:
+            self.on_line(dropped_line(self.dropped_log))
+        if unlogged:
+            for line in unlogged.removesuffix("\n").split("\n"):
+                self.on_line(line.removesuffix("\r"))
+        tail = tail[cut:]
+        head = "".join(self.head)
+        if self.dropped_mem:
+            head += ("\n" if head and not head.endswith("\n") else "") + dropped_line(self.dropped_mem) + "\n"
+        self.head, self.ring, self.ring_len = [], deque(), 0
+        return (head + tail).replace("\r\n", "\n")
 
 
 def _deadline_s(timeout: float | None) -> float | None:
@@ -160,7 +261,7 @@ class LocalTransport(Transport):
                 proc.stdin.close()
             except BrokenPipeError:
                 pass
-        splitter = _LineSplitter(on_line)
+        splitter = _LineSplitter(on_line, getattr(cmd, "output_keep", 0))
         limit = _deadline_s(timeout)
         deadline = start + limit if limit else None
         assert proc.stdout is not None

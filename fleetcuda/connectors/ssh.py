@@ -420,13 +420,14 @@ class SshTransport(Transport):
                     UnreachableError(f"{self.hop.address}: cannot open a channel: {exc}") from None
             self._channels.add(chan)
             try:
-                return self._drain(conn, chan, cmd.remote, getattr(cmd, "stdin", ""), start, timeout, on_line)
+                return self._drain(conn, chan, cmd.remote, getattr(cmd, "stdin", ""), start, timeout, on_line,
+                                   getattr(cmd, "output_keep", 0))
             finally:
                 self._channels.discard(chan)
                 chan.close()
 
     def _drain(self, conn: _Connection, chan: paramiko.Channel, remote: str, stdin: str, start: float,
-               timeout: float | None, on_line: OnLine) -> RunResult:
+               timeout: float | None, on_line: OnLine, keep: int = 0) -> RunResult:
         chan.set_combine_stderr(True)
         chan.settimeout(self._silence_s)
         try:
@@ -437,7 +438,7 @@ class SshTransport(Transport):
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise self._no_reply(conn, " starting the command") or \
                 UnreachableError(f"{self.hop.address}: connection lost starting the command: {exc}") from None
-        splitter = _LineSplitter(on_line)
+        splitter = _LineSplitter(on_line, keep)
         limit = _deadline_s(timeout)
         deadline = start + limit if limit else None
         chan.settimeout(1.0)

@@ -152,6 +152,9 @@ class BuiltCommand:
     display: str  # one line a user can paste into bash or zsh for the same effect (secrets: from stdin)
     label: str = "fleetcuda"  # the target-side label of what runs (see stop_invocation)
     stdin: str = ""  # written to the command's stdin, which is then closed: never shown, never logged
+    # Characters of its output's head kept in memory, where more than connectors.base.KEEP_HEAD (0): a batch
+    # of checks, each capped on the target, whose frames must all be read.
+    output_keep: int = 0
 
 
 def _check_env_name(name: str) -> None:

@@ -227,11 +227,13 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
         shell_vars.update(body.vars)
         sources.update(body.names)
         # stderr stays out of the value: a library's warning must not become a version number.
-        parts.append(f"{framing.frame('fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -n 1 "
-                     f"| {framing.PAYLOAD}")
+        # (Its last line out of its last 64 KiB: `tail -n 1` alone holds an endless line whole.)
+        parts.append(f"{framing.frame('fact', name)}\n( {body.text}\n) 2>/dev/null </dev/null | tail -c {CHECK_TAIL} "
+                     f"| tail -n 1 | {framing.PAYLOAD}")
     inv = invocation("\n".join(parts), base_env(target, home), shell_vars, sources, Secrets(recipe, values),
                      timeout=120, label=internal_label("facts", run_id))
-    return build(target.chain, replace(inv, secret_vars={**framing.nonce_vars(nonce), **inv.secret_vars}))
+    cmd = build(target.chain, replace(inv, secret_vars={**framing.nonce_vars(nonce), **inv.secret_vars}))
+    return replace(cmd, output_keep=64 * 1024 + len(names) * (2 * CHECK_TAIL + 1024))
 
 
 def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:
@@ -351,9 +353,53 @@ def vmid_of(plan: Plan) -> int | None:
 _CLOCK = ('if [ -n "${EPOCHREALTIME:-}" ]; then fc_ms() { fc_m=${EPOCHREALTIME/[.,]/}; fc_m=$(( fc_m / 1000 )); }\n'
           'else fc_ms() { fc_m=$(date +%s%3N); }; fi')
 # The batch shell's own names, removed in each check's subshell before the check's own are set.
-_BATCH_NAMES = "fc_m fc_t fc_rc fc_out all_ok"
+_BATCH_NAMES = "fc_m fc_t fc_rc fc_d all_ok"
 # The batch shell's environment; a check's is exactly what it names (and PWD, SHLVL, as a new bash has).
 _BASH_EXPORTS = "PATH LANG HOME"
+
+
+# What the batch keeps of a check's output (issue 22.3): its first CHECK_HEAD and last CHECK_TAIL bytes, and how
+# many were between ("[... N bytes dropped ...]" in their place). The check writes into a pipe, never into
+# this shell's memory: fc_cap keeps the head (bash's read) and the tail (tail -c) in files of a private
+# directory (dd counts what follows the head), fc_show prints them as payload lines, with builtins. Without a
+# directory, the head only, printed at once. The directory is removed however the batch ends (a check's
+# subshell resets these traps: it shows none).
+CHECK_HEAD = 64 * 1024
+CHECK_TAIL = 64 * 1024
+_CAP = f"""fc_d=$(mktemp -d "${{TMPDIR:-/tmp}}/fleetcuda-out.XXXXXX" 2>/dev/null) || fc_d=
+trap 'rm -rf "$fc_d"' EXIT; trap 'exit 143' TERM; trap 'exit 129' HUP
+fc_cap() {{
+  if [ -n "$fc_d" ]; then
+    local LC_ALL=C fc_x  # (the head by bash's read: no process for what most checks print)
+    if IFS= read -r -d '' -N {CHECK_HEAD} fc_x; then
+      printf '%s' "$fc_x" >"$fc_d/h"
+      dd bs=65536 2>"$fc_d/n" | tail -c {CHECK_TAIL} >"$fc_d/t"
+    else
+      printf '%s' "$fc_x" >"$fc_d/h"; : >"$fc_d/t"
+    fi
+  else
+    {{ head -c {CHECK_HEAD}; cat >/dev/null; }} | sed 's/^/| /'
+  fi
+}}
+fc_show() {{
+  [ -n "$fc_d" ] || return 0
+  local LC_ALL=C fc_n=0 fc_a fc_b fc_x fc_l fc_r
+  mapfile fc_l <"$fc_d/h"; mapfile fc_r <"$fc_d/t"
+  if [ "${{#fc_r[@]}}" -gt 0 ]; then
+    while read -r fc_a fc_b fc_x; do [[ $fc_b == byte* ]] && fc_n=$fc_a; done <"$fc_d/n"
+    if [ "$fc_n" -gt {CHECK_TAIL} ]; then
+      fc_n=$(( fc_n - {CHECK_TAIL} ))
+      if [ "${{#fc_r[@]}}" -gt 1 ]; then fc_n=$(( fc_n + ${{#fc_r[0]}} )); fc_r=("${{fc_r[@]:1}}"); fi
+      [[ ${{fc_l[-1]}} == *$'\\n' ]] || fc_l[-1]+=$'\\n'
+      fc_l+=("[... $fc_n bytes dropped ...]"$'\\n')
+    elif [[ ${{fc_l[-1]}} != *$'\\n' ]]; then
+      fc_l[-1]+=${{fc_r[0]}}; fc_r=("${{fc_r[@]:1}}")
+    fi
+    fc_l+=("${{fc_r[@]}}")
+  fi
+  while [ "${{#fc_l[@]}}" -gt 0 ] && [ "${{fc_l[-1]}}" = $'\\n' ]; do unset 'fc_l[-1]'; done
+  [ "${{#fc_l[@]}}" -eq 0 ] || printf '| %s' "${{fc_l[@]}}"
+}}"""
 
 
 # The client of remote/pyserver.py: `fc_py N ARGV...` runs `python ARGV` in interpreter server N (a fork of an
@@ -465,6 +511,7 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLo
         lines.append(lock.acquire(vmid_of(plan)))
     pythons = [] if on_host else _server_pythons(plan, probes)
     lines += _python_servers(plan, pythons)
+    lines.append(_CAP)
     secret_vars: dict[str, str] = framing.nonce_vars(plan.nonce)
     batch_secrets = list(secret_vars)
     parts: dict[int, str] = {}
@@ -472,7 +519,7 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLo
         # The step's label first (the log and the fake connector read which check this is).
         # (Redirections inside: on the assignment they would make its status 0.)
         body = [f": {quote(probe.label)}", "exec </dev/null 2>&1", f"unset -v {_BASH_EXPORTS} {_BATCH_NAMES}",
-                "unset -f fc_ms"]
+                "unset -f fc_ms fc_cap fc_show", "trap - EXIT TERM HUP"]
         for name, value in probe.env.items():
             _check_env_name(name)
             body.append(f"export {name}={quote(value)}")
@@ -492,12 +539,9 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLo
         body.append(f"eval {quote(probe.script)}")
         batch_secrets += mine
         lines.append(f"{framing.frame('begin', str(index))}; fc_ms; fc_t=$fc_m")
-        # Captured, then printed with `| ` before each line: no process beyond the check's own subshell.
+        # Its output through fc_cap (head and tail, see _CAP), then printed with `| ` before each line.
         parts[index] = "\n".join(body)
-        lines.append("fc_out=$(\n" + parts[index] + "\n); fc_rc=$?")
-        # (A long output through sed: the pattern substitution is quadratic.)
-        lines.append('if [ "${#fc_out}" -gt 65536 ]; then printf \'%s\\n\' "$fc_out" | sed \'s/^/| /\'; '
-                     'elif [ -n "$fc_out" ]; then printf \'| %s\\n\' "${fc_out//$\'\\n\'/$\'\\n| \'}"; fi')
+        lines.append("(\n" + parts[index] + "\n) | fc_cap; fc_rc=${PIPESTATUS[0]}; fc_show")
         over = ""
         if probe.timeout:
             # One timeout covers the batch: a check that took longer than its own is what, on its own, timeout
@@ -510,12 +554,16 @@ def batch_parts(plan: Plan, probes: list[tuple[int, Invocation]], lock: TargetLo
         lines.append(f'if [ "$all_ok" = 1 ]; then\n{lock.release(vmid_of(plan))}\nfi')
     if pythons:
         lines.append('if [ -n "$fc_pyd" ]; then kill "${fc_pypid[@]}" 2>/dev/null; rm -rf "$fc_pyd"; fi')
+    lines.append('if [ -n "$fc_d" ]; then rm -rf "$fc_d"; fi')
     lines.append(framing.frame("done", str(len(probes))))
     total = sum(p.timeout or 0 for _, p in probes) + 30 + (lock.wait_s if lock else 0)
     env = host_env(plan.target) if on_host else {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": plan.home}
-    return build(host_chain(plan.target) if on_host else plan.target.chain,
-                 Invocation("\n".join(lines), env, timeout=total, label=internal_label("batch", plan.run_id),
-                            secret_vars=secret_vars)), parts
+    cmd = build(host_chain(plan.target) if on_host else plan.target.chain,
+                Invocation("\n".join(lines), env, timeout=total, label=internal_label("batch", plan.run_id),
+                           secret_vars=secret_vars))
+    # Every check's capped output (twice its size at most with the `| ` prefixes) and its frames, read whole.
+    keep = 64 * 1024 + len(probes) * (2 * (CHECK_HEAD + CHECK_TAIL) + 1024)
+    return replace(cmd, output_keep=keep), parts
 
 
 @dataclass

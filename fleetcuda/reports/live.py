@@ -38,6 +38,8 @@ class Reporter:
     def output(self, target: str, step: str, line: str) -> None: ...
     def step_finished(self, target: str, result: StepResult) -> None: ...
     def target_finished(self, result: TargetResult) -> None: ...
+    # What the user must hear of although no step failed: a lock not released, another run's lock taken over.
+    def notice(self, target: str, text: str) -> None: ...
     def stop(self) -> None: ...
 
 
@@ -45,7 +47,9 @@ class PlainReporter(Reporter):
     """One timestamped line per event: for cron, CI and pipes."""
 
     def __init__(self, stream: TextIO | None = None, show_output: bool = False):
-        self.stream = stream or sys.stdout
+        from fleetcuda.reports.streams import guarded
+
+        self.stream = guarded(stream or sys.stdout)  # a reader that left stops the lines, never the run
         self.show_output = show_output
         self.lock = threading.Lock()
 
@@ -74,6 +78,9 @@ class PlainReporter(Reporter):
     def target_finished(self, result: TargetResult) -> None:
         extra = f": {result.error}" if result.error else ""
         self._line(f"{result.target} done: {result.status}{extra}")
+
+    def notice(self, target: str, text: str) -> None:
+        self._line(f"{target}: {text}")
 
 
 class RichReporter(Reporter):
@@ -133,6 +140,9 @@ class RichReporter(Reporter):
     def target_finished(self, result: TargetResult) -> None:
         with self.lock:
             self.rows[result.target].update(status=result.status, step="", last=result.error or "")
+
+    def notice(self, target: str, text: str) -> None:
+        self.console.print(Text.assemble((target, "bold yellow"), f": {text}"), highlight=False)
 
     def stop(self) -> None:
         if self.live is not None:

@@ -11,7 +11,7 @@ from fleetcuda.plan.planner import Plan, PlannedStep
 from fleetcuda.results import StepResult, StepStatus, TargetResult, TargetStatus
 from fleetcuda.run.batching import batched_checks
 from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel
-from fleetcuda.run.diagnosis import failed, found, free_space, maybe_unreachable, tail, timed_out
+from fleetcuda.run.diagnosis import ending, failed, found, free_space, maybe_unreachable, tail, timed_out
 from fleetcuda.run.locking import LockKeeper
 from fleetcuda.run.retry import Sleep, apply_with_retries
 from fleetcuda.run.shared import SharedBuilds
@@ -88,8 +88,7 @@ class Converger:
             res = apply_with_retries(channel, step, self.sleep)
         if res.rc != 0:
             maybe_unreachable(res, target)
-            why = f"timed out after {step.timeout}s" if timed_out(res) else f"exit {res.rc}"
-            result = failed(step, "apply", res, start, f"apply failed ({why})")
+            result = failed(step, "apply", res, start, f"apply failed ({ending(res, step.timeout)})")
             if "No space left on device" in res.output:
                 result.detail += "; " + free_space(channel, res.output)
             return result
@@ -111,8 +110,8 @@ class Converger:
         if res.rc == 0:
             return StepResult(step.name, StepStatus.OK, took, "verified", found=found(res.output))
         maybe_unreachable(res, channel.target)
-        if timed_out(res):  # it could not answer in time: not an answer, so not drift
-            return StepResult(step.name, StepStatus.FAILED, took, f"verification timed out after {step.timeout}s",
+        if timed_out(res, step.timeout) or res.rc == 137:  # no answer (out of time, or killed): so not drift
+            return StepResult(step.name, StepStatus.FAILED, took, f"verification {ending(res, step.timeout)}",
                               tail(res.output), found=found(res.output))
         return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", tail(res.output),
                           found=found(res.output))

@@ -23,10 +23,27 @@ FULL_FILESYSTEMS = ('NR > 1 && $2 > 0 && $5 + 0 >= 98 '
                     '{ printf "%s: %d MiB free of %d MiB\\n", $6, $4 / 1024, $2 / 1024 }')
 
 
-def timed_out(res: RunResult) -> bool:
-    """The command ran out of time: the control side gave up, or `timeout` on the target stopped it
-    (124 after TERM; 128+9 when it had to KILL)."""
+def timed_out(res: RunResult, timeout: float | None) -> bool:
+    """The command ran out of time: the control side gave up, or `timeout` on the target stopped it (124 after
+    TERM; 128+9 when it had to KILL), which it does only once `timeout` seconds have passed. A 124 or 137 sooner
+    is something else: a container stopped under it, the OOM killer, a kill, a timeout of the script's own."""
+    if res.timed_out:
+        return True
+    return res.rc in (124, 137) and bool(timeout) and res.duration >= 0.99 * float(timeout or 0)
+
+
+def stopped(res: RunResult) -> bool:
+    """Out of time or killed (124, 137): whatever it was, an apply that ended so is never re-sent blindly."""
     return res.timed_out or res.rc in (124, 137)
+
+
+def ending(res: RunResult, timeout: float | None) -> str:
+    """How a failed command ended, said as what it was."""
+    if timed_out(res, timeout):
+        return f"timed out after {timeout}s"
+    if res.rc == 137:
+        return "killed (exit 137: the container stopped or the process was killed)"
+    return f"exit {res.rc}"
 
 
 def maybe_unreachable(res: RunResult, target: Target) -> None:

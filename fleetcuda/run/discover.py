@@ -11,7 +11,7 @@ carrying this run's nonce, so nothing a container or a config holds can pass for
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetcuda.connectors.base import Transport
 from fleetcuda.errors import HostKeyError, UnreachableError
@@ -102,7 +102,8 @@ def host_command(spec: HostSpec, chain: HopChain, nonce: str) -> BuiltCommand:
     """pct list, then pct config of each listed container, on the host (through `sudo -n` when it says so)."""
     script = shell_text("discover_probe") + f"fleetcuda_discover_host {quote(spec.pct)} {1 if spec.sudo else 0}\n"
     inv = Invocation(script, {"PATH": PATH, "LC_ALL": "C"}, timeout=HOST_TIMEOUT_S, label=internal_label("discover"))
-    return build(HopChain(chain.ssh, None), framing.with_nonce(inv, nonce))
+    # Every container's config, each at most 1 MiB on the host: read whole up to 16 MiB (connectors.base.KEEP_HEAD).
+    return replace(build(HopChain(chain.ssh, None), framing.with_nonce(inv, nonce)), output_keep=16 * 1024 * 1024)
 
 
 def probe_command(spec: HostSpec, chain: HopChain, vmid: int, nonce: str) -> BuiltCommand:

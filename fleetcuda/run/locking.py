@@ -74,7 +74,10 @@ class LockKeeper:
         working = _working(frames)
         if working:
             raise TargetLocked(_locked(plan, fields[0], owner, working, ended=True))
-        return lock_state(frames)[0] == "taken-over"
+        if lock_state(frames)[0] != "taken-over":
+            return False
+        self.ctx.reporter.notice(plan.target.id, f"took over the lock of a run that is gone: {owner}")
+        return True
 
     def settle(self, plan: Plan, res: RunResult) -> None:
         """What the target said of its lock: held (noted), released, or busy (the target fails, TargetLocked)."""
@@ -88,7 +91,10 @@ class LockKeeper:
             if word == "busy":
                 where, owner = (fields[0] if fields else "?"), " ".join(fields[1:])
                 raise TargetLocked(_locked(plan, where, owner, _working(frames)))
-            if word == "held":
+            if word == "stale":
+                self.ctx.reporter.notice(plan.target.id, f"took over a stale lock (not refreshed for "
+                                                         f"{LOCK_STALE_S // 60} min): {' '.join(fields) or '?'}")
+            elif word == "held":
                 self.held.add(plan.target.id)
             elif word == "released":
                 self.held.discard(plan.target.id)
@@ -133,6 +139,7 @@ class LockKeeper:
             self._released(target, plan, res, channel.write)
         except (FleetcudaError, OSError) as exc:
             channel.write(f"# could not release the lock: {exc}")
+            self._not_released(target, str(exc))
 
     def release_after_interrupt(self, target: Target) -> None:
         plan = self.ctx.plans.get(target.id)
@@ -143,8 +150,13 @@ class LockKeeper:
                                                      timeout=60, on_line=lambda line: None)
             if self._released(target, plan, res, lambda line: self.ctx.append_log(target, line)):
                 self.ctx.append_log(target, "# lock released after the interruption")
-        except (FleetcudaError, OSError):
-            pass
+        except (FleetcudaError, OSError) as exc:
+            self._not_released(target, str(exc))
+
+    def _not_released(self, target: Target, why: str) -> None:
+        """Said on the console, not only in the target's log: other runs wait for this lock."""
+        self.ctx.reporter.notice(target.id, f"could not release the apply lock ({why}): other runs wait for it "
+                                            f"until it is stale ({LOCK_STALE_S // 60} min)")
 
     def _released(self, target: Target, plan: Plan, res: RunResult, say: Callable[[str], None]) -> bool:
         """What a release's answer means: released (True), kept by the target while processes of this run
@@ -156,10 +168,14 @@ class LockKeeper:
             self.maybe.discard(target.id)
         if word == "kept":
             n, label = (_working(frames) or ["?", "?"])[:2]
-            say(f"# lock kept: {n} process(es) of this run still run on {target.id} ({label}); no other apply "
-                f"takes it while they run")
+            kept = (f"lock kept: {n} process(es) of this run still run on {target.id} ({label}); no other apply "
+                    f"takes it while they run")
+            say("# " + kept)
+            self.ctx.reporter.notice(target.id, kept)
         elif word is None and res.rc == 0:
             self.maybe.discard(target.id)  # the target answered: not ours to release
+        elif word is None:
+            self._not_released(target, f"exit {res.rc}")
         return word == "released"
 
 

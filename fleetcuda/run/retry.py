@@ -1,5 +1,5 @@
-"""A step's apply, retried up to its `retries` with exponential backoff; an apply that ran out of time (124/137)
-is never re-sent blindly."""
+"""A step's apply, retried up to its `retries` with exponential backoff; an apply that ran out of time or was
+killed (124/137) is never re-sent blindly."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tenacity import RetryError, Retrying, stop_after_attempt, wait_exponential
 from fleetcuda.connectors.base import RunResult
 from fleetcuda.plan.planner import PlannedStep
 from fleetcuda.run.channel import Interrupted, TargetChannel
-from fleetcuda.run.diagnosis import timed_out
+from fleetcuda.run.diagnosis import stopped
 
 Sleep = Callable[[float], None]
 
@@ -31,7 +31,7 @@ def apply_with_retries(channel: TargetChannel, step: PlannedStep, sleep: Sleep) 
         if channel.ctx.cancel.is_set():
             raise Interrupted()
         res = channel.exec(step.name, "apply", step.apply, step.timeout)  # type: ignore[arg-type]
-        if res.rc != 0 and not timed_out(res):  # an apply that ran out of time is never re-sent blindly
+        if res.rc != 0 and not stopped(res):  # an apply that ran out of time (or was killed): never re-sent
             channel.write(f"# apply failed (exit {res.rc}); retrying")
             raise _Retry(res)
         return res
