@@ -21,7 +21,7 @@ from fleetcuda import __version__
 from fleetcuda.cli import apply, cache, discover, doctor, export, history, schedule, trust, verify, wheelhouse
 from fleetcuda.cli.environment import Environment
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
-from fleetcuda.redact import printable
+from fleetcuda.redact import KNOWN, printable, redact_known
 from fleetcuda.results import ExitStatus
 
 __all__ = ["Environment", "main"]
@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
     env = env if env is not None else Environment.from_process()
 
     def say(text: str) -> None:  # a file name, a value or a target's words: never terminal control sequences
-        env.say(printable(text))
+        env.say(printable(redact_known(text)))  # nor a secret the planner met, nor a URL's password
 
+    KNOWN.forget()  # the secrets of this command only (tests run many in one process)
     try:
         return int(_main(argv, env))
     except InputError as exc:  # bad inventory, recipe or argument, from any command: exit 2
