@@ -159,8 +159,9 @@ def redact_known(text: str) -> str:
 
 
 # C0 controls but tab and newline, DEL, C1 controls: what would drive a terminal (colours, titles, clearing).
-# And Unicode's invisible format characters (bidi overrides, zero-width ones), which reorder or hide text.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
+# And Unicode's invisible format characters (bidi overrides, zero-width ones), which reorder or hide text, and its
+# line and paragraph separators (U+2028, U+2029: a line break to YAML and to some terminals).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def printable(text: str) -> str:

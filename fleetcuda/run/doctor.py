@@ -22,6 +22,7 @@ from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.model import FULL, GATED_DELTA_NET, LINEAR, Model
 from fleetcuda.plan.planner import FALSY, base_env, host_chain, host_env, in_target_argv, pct_argv
+from fleetcuda.redact import printable
 from fleetcuda.remote import framing, python_heredoc, shell_text
 
 # One nonce per process (a doctor run): its frames, never what a target prints, are believed.
@@ -54,7 +55,7 @@ def command(target: Target, home: str | None = None) -> BuiltCommand:
 # A record is checked against its shape, section by section; a section that does not have it becomes
 # {"error": ...} (that target's failure, said in its report), never an exception of the run.
 
-Shape = Any  # a type, a tuple of alternatives, {key: shape} (keys in `_REQUIRED` must be there), [shape], or _Map
+Shape = Any  # a type, a tuple of alternatives, {key: shape} (a key is required when its shape is _Must), [shape], _Map
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,28 @@ class _Map:
     value: Shape
 
 
+@dataclass(frozen=True)
+class _Must:
+    """A key of a record that must be there."""
+
+    value: Shape
+
+
 _TEXT = (str,)
 _SCALAR = (str, int, float, type(None))  # torch.version.cuda is None on a CPU build; a capability may be a number
-_ERROR = {"error": _TEXT}
-_REQUIRED = {"error", "version", "where", "path", "release", "built", "stale", "style", "is_fast_path_available",
-             "functions"}
+_ERROR = {"error": _Must(_TEXT)}
 _PACKAGE = ({"version": _SCALAR, "kernel": (bool, str, type(None)), "path": _TEXT}, _ERROR)
 PROBE: dict[str, Shape] = {
     "python": _TEXT, "cuda_home": _TEXT, "gpus": _TEXT,
-    "nvcc": ([{"where": _TEXT, "path": _TEXT, "release": _TEXT}], _ERROR),
-    "torch": (_ERROR, {"version": _TEXT, "cuda": _SCALAR, "gpu": (bool,), "arch_list": [_TEXT],
+    "nvcc": ([{"where": _Must(_TEXT), "path": _Must(_TEXT), "release": _Must(_TEXT)}], _ERROR),
+    "torch": (_ERROR, {"version": _Must(_TEXT), "cuda": _SCALAR, "gpu": (bool,), "arch_list": [_TEXT],
                        "capability": _SCALAR, "installed_at": (int, float, type(None))}),
     "causal_conv1d": _PACKAGE, "fla": _PACKAGE,
-    "cached_causal_conv1d": [{"path": _TEXT, "built": _TEXT, "stale": (bool,)}],
+    "cached_causal_conv1d": [{"path": _Must(_TEXT), "built": _Must(_TEXT), "stale": _Must((bool,))}],
 }
-_MODULE = (_ERROR, {"style": ("flag",), "is_fast_path_available": (bool,)},
-           {"style": ("wrapped",), "functions": _Map(_TEXT), "fast": _Map((bool,))})
-GATE: Shape = (_ERROR, {"version": _TEXT, "modules": _Map(_MODULE)})
+_MODULE = (_ERROR, {"style": _Must(("flag",)), "is_fast_path_available": _Must((bool,))},
+           {"style": _Must(("wrapped",)), "functions": _Must(_Map(_TEXT)), "fast": _Map((bool,))})
+GATE: Shape = (_ERROR, {"version": _Must(_TEXT), "modules": _Map(_MODULE)})
 GPU: Shape = (_ERROR, {"driver": _SCALAR, "libs": _Map(_SCALAR), "failures": [_TEXT]})
 
 
@@ -90,7 +96,8 @@ def fits(value: Any, shape: Shape) -> bool:
         return isinstance(value, dict) and all(isinstance(k, str) and fits(v, shape.value) for k, v in value.items())
     if isinstance(shape, dict):  # a record that is not an error holds no `error`: one or the other
         return isinstance(value, dict) and ("error" in shape or "error" not in value) and all(
-            fits(value[k], s) if k in value else k not in _REQUIRED for k, s in shape.items())
+            fits(value[k], s.value if isinstance(s, _Must) else s) if k in value else not isinstance(s, _Must)
+            for k, s in shape.items())
     if isinstance(shape, list):
         return isinstance(value, list) and all(fits(v, shape[0]) for v in value)
     if isinstance(shape, tuple):  # alternatives: types, literal strings, or shapes
@@ -247,13 +254,16 @@ def render(results: dict[str, list[Finding]], console: Console,
         for col in ("check", "found", "status"):
             table.add_column(col, overflow="fold")
         for f in items:
-            table.add_row(Text(f.check), Text(f.value), Text(f.status, style=STYLE[f.status]))
+            # What the target said is data: Text (never markup), control and bidi characters escaped.
+            table.add_row(Text(printable(str(f.check))), Text(printable(str(f.value))),
+                          Text(f.status, style=STYLE[f.status]))
         console.print(table)
     if model is not None and verdicts:
         # The answer to "how many layers take the fast path", one line a target, after the detail.
         console.print(Text(f"model {model.summary()}", style="bold"), soft_wrap=True)
         for target, v in verdicts.items():
-            console.print(Text.assemble(Text(f"{target}: "), Text(v.message, style=STYLE[v.status])), soft_wrap=True)
+            console.print(Text.assemble(Text(f"{target}: "), Text(printable(v.message), style=STYLE[v.status])),
+                          soft_wrap=True)
 
 
 # -- doctor --model: how many of a model's layers take the fast path on a target ---------------------------------
