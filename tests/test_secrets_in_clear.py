@@ -124,3 +124,9 @@ steps:
     assert export.code in (0, 2), export.err
     written = "".join(p.read_text() for p in (tmp_path / "out").rglob("*") if p.is_file()) if export.code == 0 else ""
     assert "wordXY9" not in written + export.out + export.err
+
+
+def test_a_usage_error_does_not_quote_a_url_password(cli: Cli, local: Path) -> None:  # noqa: F811
+    got = cli("apply", "r.yaml", "-i", local, "--forks", INDEX)
+    assert got.code == 2 and "--forks" in got.err
+    assert "wordXY9" not in got.err and "https://user:***@pypi.example.com/simple" in got.err

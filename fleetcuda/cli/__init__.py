@@ -54,7 +54,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(self.env.stderr)
-        print(f"fleetcuda: error: {message}", file=self.env.stderr)
+        # An argument's value is quoted here (`invalid int value: '...'`): never a URL's password nor a control code.
+        print(f"fleetcuda: error: {printable(redact_known(message))}", file=self.env.stderr)
         sys.exit(ExitStatus.INPUT)
 
 
