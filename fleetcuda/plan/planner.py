@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from urllib.parse import unquote
 
 from fleetcuda.plan.command import (
     SUDO,
@@ -193,6 +194,7 @@ class Secrets:
         if isinstance(text, str):
             for c in url_credentials(text):
                 self.add(c.password)
+                self.add(unquote(c.password))  # as a tool that decodes it (`p%22ss`) would print it
 
     def add(self, value: str) -> None:
         if len(value) >= MIN_SECRET:
