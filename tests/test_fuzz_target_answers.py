@@ -148,8 +148,14 @@ def one_input(rng: random.Random, root: Path) -> list[str]:
         inv = inv[:i] + rng.choice(["\n", ":", " [", "{{ x }}", "\t", "'"]) + inv[i + 1:]
     (root / "inv.yaml").write_text(inv)
     (root / "r.yaml").write_text(recipe)
-    command = rng.choice(["doctor", "doctor", "doctor", "doctor-model", "verify", "check"])
+    command = rng.choice(["doctor", "doctor", "doctor", "doctor-model", "verify", "check", "discover"])
     extra: list[str] = []
+    if command == "discover":
+        (root / "out.yaml").write_text(inv)
+        host = "nope" if rng.random() < 0.1 else "h" if "\n  h:\n" in inv else "a"
+        argv = ["discover", host, "-i", str(root / "inv.yaml")]
+        argv += rng.choice([[], ["--format", "json"], ["--write", str(root / "out.yaml")]])
+        return argv
     if rng.random() < 0.2:
         extra += ["--limit", rng.choice(["h", "h/201", "a", "*", "nope", "c"])]
     if command.startswith("doctor"):
@@ -158,12 +164,36 @@ def one_input(rng: random.Random, root: Path) -> list[str]:
             argv += ["--model", str(root / "config.json")]
         return argv + extra
     argv = ["verify" if command == "verify" else "apply", str(root / "r.yaml"), "-i", str(root / "inv.yaml"),
-            "--plain", "--no-history"]
+            "--plain"] + (["--no-history"] if command == "verify" else [])
     if command == "check":
         argv.append("--check")
     if rng.random() < 0.3:
         argv += ["--format", "json"] if command == "verify" else ["--show-output"]
     return argv + extra
+
+
+STATUSES = ["running", "stopped", "stop\u202eped", "st\x1bop", "[/]", "[link=x]y", "", "mounted", "a" * 50]
+NAMES = ["gpu-a", "g[/]", "x\u2028y", "\x1b[2J", "ok-name", "name with space"]
+
+
+def discover_reply(rng: random.Random, call: Call) -> RunResult:
+    """What discover's probes print: a `pct list` of odd rows and configs, then the containers' environments."""
+    from tests.discover_support import DEV_CONFIG, LIST_HEADER, ROW, VENV_TORCH, envs_reply, host_reply
+
+    if call.label == "fleetcuda-discover":
+        rows = {rng.choice([200, 201, 202, 99999]): (rng.choice(STATUSES), rng.choice(["", "backup", "\u202e"]),
+                                                      rng.choice(NAMES)) for _ in range(rng.randint(0, 3))}
+        listing = (LIST_HEADER + "".join(ROW % (v, *r) for v, r in sorted(rows.items()))) if rows else ""
+        if rng.random() < 0.1:
+            listing = rng.choice(["garbage\n", LIST_HEADER + "x y z\n", "\x1b[2J\n"])
+        configs: dict[int, Any] = {v: rng.choice([DEV_CONFIG.format(name=r[2], vmid=v), "arch: amd64\n", "\x00:\n",
+                                                  (255, "", "no config\n")]) for v, r in rows.items()}
+        try:
+            return host_reply(listing, configs, done=rng.random() < 0.9)(call)
+        except (ValueError, IndexError):  # (the stand-in reads the vmid from a garbage row)
+            return ok("")
+    env = tuple(mutate(rng, list(VENV_TORCH)))
+    return envs_reply(*([tuple(str(x) for x in env)] if rng.random() < 0.8 else []))(call)
 
 
 def run_one(rng: random.Random, root: Path, records: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,6 +203,8 @@ def run_one(rng: random.Random, root: Path, records: dict[str, Any], monkeypatch
 
     def reply(call: Call) -> RunResult:
         with lock:  # the engine calls from a thread per target: one rng, drawn in turn
+            if call.label.startswith("fleetcuda-discover"):
+                return discover_reply(rng, call)
             return answer(rng, call, records)
 
     fake.on(kind="run", reply=reply)
