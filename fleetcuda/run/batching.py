@@ -38,7 +38,8 @@ def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], chan
         res = channel.exec("facts", "read", cmd, timeout=120, hold_output=True)
         read = fact_values(res.output, ctx.nonce)
         ctx.redactors[target.id] = Redactor(Secrets(ctx.recipe, {**values, **read}).values)
-        channel.write(ctx.redact(target, res.output.rstrip("\n")))
+        channel.write("# the facts' output, logged once read (their secrets masked):\n"
+                      + ctx.redact(target, res.output.rstrip("\n")))
         if res.rc != 0:
             maybe_unreachable(res, target)
         values = {**values, **parse_facts(res.output, names, ctx.nonce, ctx.recipe)}
