@@ -192,7 +192,8 @@ def discover_reply(rng: random.Random, call: Call) -> RunResult:
             return host_reply(listing, configs, done=rng.random() < 0.9)(call)
         except (ValueError, IndexError):  # (the stand-in reads the vmid from a garbage row)
             return ok("")
-    env = tuple(mutate(rng, list(VENV_TORCH)))
+    mutated = mutate(rng, list(VENV_TORCH))
+    env = tuple(mutated) if isinstance(mutated, list) else (str(mutated),)
     return envs_reply(*([tuple(str(x) for x in env)] if rng.random() < 0.8 else []))(call)
 
 
