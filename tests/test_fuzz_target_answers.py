@@ -5,7 +5,7 @@ reports: the probe's record was read as an untyped dict. Here: that case as a us
 inputs (argv, inventory, recipe and what each target answers, on the fake connector) through `cli.main(argv, env)`
 in this process, asserting that none ends in exit 70 (or any code README does not list) or an internal error.
 
-FLEETCUDA_FUZZ_CLI_INPUTS=N runs N inputs (default 1,500: 30 to 60 s on a shared 2-core machine; 10,000 were run
+FLEETCUDA_FUZZ_CLI_INPUTS=N runs N inputs (default 2,500: ~30 s on 2 idle cores; 10,000 were run
 by hand, see docs/reliability.md); FLEETCUDA_FUZZ_SEED picks other inputs.
 """
 
@@ -233,7 +233,7 @@ def test_fuzz_cli_inputs_and_target_answers_never_exit_70(tmp_path: Path, monkey
     monkeypatch.setattr(argparse, "_", lambda text: text)
     monkeypatch.setattr(argparse, "ngettext", lambda one, many, n: one if n == 1 else many)
     records = good_records()
-    count = int(os.environ.get("FLEETCUDA_FUZZ_CLI_INPUTS") or 1500)
+    count = int(os.environ.get("FLEETCUDA_FUZZ_CLI_INPUTS") or 2500)
     rng = random.Random(int(os.environ.get("FLEETCUDA_FUZZ_SEED") or 22))
     for _ in range(count):
         run_one(rng, tmp_path, records, monkeypatch)
