@@ -225,3 +225,43 @@ def test_a_held_lock_is_refreshed_and_never_taken_over_while_its_run_lives(tmp_p
     assert second.returncode == 1 and "locked" in second.stdout, second.stdout
     out = first.communicate(timeout=60)[0]
     assert first.returncode == 0, out
+
+
+def test_a_url_password_holding_quotes_reaches_the_container_on_stdin_only(tmp_path: Path) -> None:
+    """Issue 22.4(c): a URL's password holding `"` and `'` is a secret: it arrives exactly (its sha256), over SSH,
+    the login shell and `pct exec`, and no process's command line, no output, log or report holds it."""
+    import hashlib
+
+    password = "pa\"ss'wordXY9lab"
+    url = f"https://user:{password}@pypi.example.invalid/simple"
+    digest = hashlib.sha256(url.encode()).hexdigest()
+    r = _recipe(tmp_path, f"""\
+        name: r
+        vars:
+          index: {json.dumps(url)}
+        steps:
+          - name: url
+            verify: |
+              sleep 3
+              printf %s "{{{{ index }}}}" | sha256sum | grep -q {digest}
+        """)
+    state = tmp_path / "s"
+    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(state), "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetcuda", "verify", str(r), "-i", INV, "--limit", TARGETS,
+                             "--plain", "--report", f"json={tmp_path / 'report.json'}"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    while proc.poll() is None:  # every process of this machine, the lab's hosts and containers included
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if b"wordXY9lab" in (d / "cmdline").read_bytes():
+                        seen.append((d / "cmdline").read_bytes())
+                except OSError:
+                    pass
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, out + err  # it arrived exactly, on both targets
+    assert not seen, seen[:1]
+    kept = "".join(p.read_text(errors="replace") for p in [*state.rglob("*.log"), tmp_path / "report.json"])
+    assert "wordXY9lab" not in out + err + kept

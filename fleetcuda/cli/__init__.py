@@ -21,7 +21,7 @@ from fleetcuda import __version__
 from fleetcuda.cli import apply, cache, discover, doctor, export, history, schedule, trust, verify, wheelhouse
 from fleetcuda.cli.environment import Environment
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
-from fleetcuda.redact import printable
+from fleetcuda.redact import KNOWN, printable, redact_known
 from fleetcuda.results import ExitStatus
 
 __all__ = ["Environment", "main"]
@@ -54,7 +54,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(self.env.stderr)
-        print(f"fleetcuda: error: {message}", file=self.env.stderr)
+        # An argument's value is quoted here (`invalid int value: '...'`): never a URL's password nor a control code.
+        print(f"fleetcuda: error: {printable(redact_known(message))}", file=self.env.stderr)
         sys.exit(ExitStatus.INPUT)
 
 
@@ -78,8 +79,9 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> int:
     env = (env if env is not None else Environment.from_process()).guarded()
 
     def say(text: str) -> None:  # a file name, a value or a target's words: never terminal control sequences
-        env.say(printable(text))
+        env.say(printable(redact_known(text)))  # nor a secret the planner met, nor a URL's password
 
+    KNOWN.forget()  # the secrets of this command only (tests run many in one process)
     try:
         return int(_main(argv, env))
     except InputError as exc:  # bad inventory, recipe or argument, from any command: exit 2

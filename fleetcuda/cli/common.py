@@ -191,6 +191,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
            env: Environment) -> ExitStatus:
     """What a run ends with: the interrupted targets, the table or summary, each report, the history record
     and where the logs are; the exit status (a report that could not be written fails an ok run)."""
+    from fleetcuda.redact import printable
     from fleetcuda.reports.formats import RunInfo, render_table, write_atomically
     from fleetcuda.reports.history import record
     from fleetcuda.reports.live import summary
@@ -201,7 +202,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
     if engine.interrupted:
         console.print("[magenta]interrupted[/]: what had run, and what was stopped on each target:")
         for line in engine_results_snapshot(engine, inputs.targets):
-            console.print(f"  {line}", markup=False, highlight=False)
+            console.print(f"  {printable(line)}", markup=False, highlight=False)  # its log's words: data
     code = exit_code(results)
     info = RunInfo(mode=mode, recipe_path=recipe.path, recipe_name=recipe.name, inventory_path=inventory.path,
                    started_at=started, finished_at=env.clock(), exit_code=code, run_dir=str(run_dir))

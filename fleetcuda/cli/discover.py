@@ -267,7 +267,9 @@ def write(path: Path, shown: str, edits: dict[str, HostEdit], env: Environment, 
         if os.path.exists(tmp):
             os.unlink(tmp)
     if not quiet:
-        env.stdout.write(f"wrote {shown}:\n" + "".join(f"  {line}\n" for line in done))
+        from fleetcuda.redact import printable
+
+        env.stdout.write(printable(f"wrote {shown}:\n" + "".join(f"  {line}\n" for line in done)))
 
 
 def _check_kept(before: Inventory | None, after: Inventory, edits: dict[str, HostEdit], shown: str) -> None:

@@ -33,7 +33,7 @@ from fleetcuda.plan.inventory import Inventory, Target
 from fleetcuda.plan.planner import PlannedStep, Secrets, base_values, make_plan, pending_facts
 from fleetcuda.plan.recipe import Recipe
 from fleetcuda.plan.templating import FILTERS, SHELL_EXPANSION
-from fleetcuda.redact import URL_CREDENTIALS
+from fleetcuda.redact import url_credentials
 
 MARKER = ".fleetcuda-export"
 # ansible 12.3.0 bundles ansible-core 2.19 and community.proxmox 1.4.0, the version this export was tested with.
@@ -305,7 +305,7 @@ def build_export(recipe: Recipe, targets: list[Target], overrides: Mapping[str, 
 def _url_credentials(text: str) -> bool:
     """A `scheme://user:password@` in clear; a password that is a shell variable (`${fc_token}`, read from
     stdin) is not one."""
-    return any(not m["pw"].startswith("$") for m in URL_CREDENTIALS.finditer(text))
+    return any(not c.password.startswith("$") for c in url_credentials(text))
 
 
 def _refuse_clear_secrets(target: Target, real: Secrets, public: Mapping[str, str],

@@ -24,6 +24,7 @@ import yaml
 
 from fleetcuda.errors import InputError
 from fleetcuda.plan.inventory import SAFE_NAME_RE
+from fleetcuda.redact import printable
 
 MARK = "# fleetcuda discover:"
 
@@ -99,7 +100,10 @@ def merge(text: str, path: str, edits: list[HostEdit]) -> tuple[str, list[str]]:
     existing = _existing_comments(text)
     for edit in edits:
         noted = [s for s in edit.skip if f"{MARK} {edit.host}/{s.vmid} " not in existing]
-        skip_lines = [f"{MARK} {edit.host}/{s.vmid}{shown_name(s.name)} not added: {s.why}" for s in noted]
+        # A comment is one line of data: what the host said (a status, a name) can neither end it nor drive a
+        # terminal that shows the file (control, bidi and line-breaking characters escaped).
+        skip_lines = [comment_text(f"{MARK} {edit.host}/{s.vmid}{shown_name(s.name)} not added: {s.why}")
+                      for s in noted]
         if not edit.add and not skip_lines:
             continue
         if isinstance(hosts_node, _Alias):
@@ -119,8 +123,13 @@ def merge(text: str, path: str, edits: list[HostEdit]) -> tuple[str, list[str]]:
             at, block = _into_host(text, path, edit, key_node, host_node, skip_lines)
             inserts.append((at, block))
         done += [f"added {edit.host}/{c.vmid}{shown_name(c.name)}" for c in edit.add]
-        done += [f"noted {edit.host}/{s.vmid} in a comment: {s.why}" for s in noted]
+        done += [printable(f"noted {edit.host}/{s.vmid} in a comment: {s.why}") for s in noted]
     return _insert(text, starts, inserts), done
+
+
+def comment_text(text: str) -> str:
+    """`text` as one line of a YAML comment: printable, with no line break of any kind."""
+    return printable(text).replace("\n", "\\n").replace("\t", " ")
 
 
 def _line_starts(text: str) -> list[int]:

@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from urllib.parse import unquote
 
 from fleetcuda.plan.command import (
     SUDO,
@@ -24,7 +25,7 @@ from fleetcuda.plan.command import (
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.recipe import AUTO, Recipe, check_fact_value
 from fleetcuda.plan.templating import FILTERS, TemplateError, check_value, render, render_shell, scrub
-from fleetcuda.redact import MIN_SECRET, SECRET_NAME, URL_CREDENTIALS
+from fleetcuda.redact import MIN_SECRET, SECRET_NAME, remember, url_credentials
 from fleetcuda.remote import PY_DELIMITER, framing, program
 from fleetcuda.run.locks import LOCK_STALE_S, TargetLock
 from fleetcuda.steps import Scripts, StepContext, StepSpec
@@ -173,6 +174,7 @@ class Secrets:
             self.add_url_credentials(v)  # a password in a URL is a secret whatever its variable is named
         for value in list(self.values):  # what `{{ x | dashed }}` makes of a secret is one too
             self.values.update(f(value) for f in FILTERS.values() if len(f(value)) >= MIN_SECRET)
+        remember(self.values)  # whatever error reaches the CLI's boundary (a check of a value quoting it) masks them
 
     def is_secret(self, name: str, value: str) -> bool:
         if SECRET_NAME.search(name) or name in self.names:
@@ -190,12 +192,14 @@ class Secrets:
 
     def add_url_credentials(self, text: object) -> None:
         if isinstance(text, str):
-            for m in URL_CREDENTIALS.finditer(text):
-                self.add(m["pw"])
+            for c in url_credentials(text):
+                self.add(c.password)
+                self.add(unquote(c.password))  # as a tool that decodes it (`p%22ss`) would print it
 
     def add(self, value: str) -> None:
         if len(value) >= MIN_SECRET:
             self.values.add(value)
+            remember((value,))
 
 
 def invocation(script: str, env: Mapping[str, str], shell_vars: Mapping[str, str], sources: Mapping[str, str],
@@ -236,12 +240,20 @@ def facts_command(recipe: Recipe, target: Target, values: dict[str, str], names:
     return replace(cmd, output_keep=64 * 1024 + len(names) * (2 * CHECK_TAIL + 1024))
 
 
-def parse_facts(output: str, names: list[str], nonce: str) -> dict[str, str]:
-    found = {r.name: r.value for r in framing.read(output, nonce) if isinstance(r, framing.FactRecord)}
+def fact_values(output: str, nonce: str) -> dict[str, str]:
+    """What the facts printed, as they printed it (unchecked)."""
+    return {r.name: r.value for r in framing.read(output, nonce) if isinstance(r, framing.FactRecord)}
+
+
+def parse_facts(output: str, names: list[str], nonce: str, recipe: Recipe | None = None) -> dict[str, str]:
+    """The facts' values; a fact the recipe treats as secret (`secrets:`, or named like one) is never quoted."""
+    found = fact_values(output, nonce)
+    secret = {n for n in names if SECRET_NAME.search(n) or n in getattr(recipe, "secrets", ())}
+    remember(found[n] for n in secret if n in found)  # masked wherever a message of this command quotes it
     missing = [n for n in names if not found.get(n)]
     if missing:
         raise TemplateError(f"could not read {', '.join(missing)} from the target (is the venv's torch there?)")
-    return {n: check_fact_value(n, found[n]) for n in names}
+    return {n: check_fact_value(n, found[n], secret=n in secret) for n in names}
 
 
 def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None, *,

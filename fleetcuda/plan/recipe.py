@@ -151,7 +151,8 @@ def parse_var_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def check_fact_value(name: str, value: str) -> str:
+def check_fact_value(name: str, value: str, *, secret: bool = False) -> str:
     if not FACT_VALUE.fullmatch(value):
-        raise TemplateError(f"fact {name!r} printed {value[:60]!r}, not a plain value")
+        shown = "a secret (not shown)" if secret else repr(value[:60])  # a secret is never quoted
+        raise TemplateError(f"fact {name!r} printed {shown}, not a plain value")
     return value

@@ -11,6 +11,7 @@ from fleetcuda.plan.planner import (
     Secrets,
     base_values,
     batch_command,
+    fact_values,
     facts_command,
     make_plan,
     parse_batch,
@@ -33,10 +34,15 @@ def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], chan
     home = ctx.home(target)
     if names:
         cmd = facts_command(ctx.recipe, target, values, names, home, nonce=ctx.nonce, run_id=ctx.run_id)
-        res = channel.exec("facts", "read", cmd, timeout=120)
+        # A secret fact's value is known only once read: its output is logged after, masked, never as it comes.
+        res = channel.exec("facts", "read", cmd, timeout=120, hold_output=True)
+        read = fact_values(res.output, ctx.nonce)
+        ctx.redactors[target.id] = Redactor(Secrets(ctx.recipe, {**values, **read}).values)
+        channel.write("# the facts' output, logged once read (their secrets masked):\n"
+                      + ctx.redact(target, res.output.rstrip("\n")))
         if res.rc != 0:
             maybe_unreachable(res, target)
-        values = {**values, **parse_facts(res.output, names, ctx.nonce)}
+        values = {**values, **parse_facts(res.output, names, ctx.nonce, ctx.recipe)}
     prepared = ctx.prepared.get(target.id)
     if not names and prepared is not None:
         plan = prepared  # planned once, before the run: nothing read from the target changes it

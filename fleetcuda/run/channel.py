@@ -125,8 +125,10 @@ class TargetChannel(Transport):
 
     # -- commands -------------------------------------------------------------------------
 
-    def exec(self, step: str, phase: str, cmd: BuiltCommand, timeout: float | None) -> RunResult:
-        """A command of the run: reported as it starts, its output logged and reported line by line, redacted."""
+    def exec(self, step: str, phase: str, cmd: BuiltCommand, timeout: float | None, *,
+             hold_output: bool = False) -> RunResult:
+        """A command of the run: reported as it starts, its output logged and reported line by line, redacted.
+        `hold_output`: the output may hold secrets known only once it is read (a secret fact): the caller logs it."""
         self._check_cancel()
         redact = self.redact
         tid = self.target.id
@@ -134,6 +136,8 @@ class TargetChannel(Transport):
         self.log.write(f"\n## {now()} {step} {phase}\n$ {redact(cmd.display)}\n")
 
         def on_line(line: str) -> None:
+            if hold_output:
+                return
             line = redact(line)
             self.log.write(line + "\n")
             self.ctx.reporter.output(tid, step, line)

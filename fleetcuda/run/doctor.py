@@ -22,6 +22,7 @@ from fleetcuda.plan.command import BuiltCommand, Invocation, build, quote
 from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.model import FULL, GATED_DELTA_NET, LINEAR, Model
 from fleetcuda.plan.planner import FALSY, base_env, host_chain, host_env, in_target_argv, pct_argv
+from fleetcuda.redact import printable
 from fleetcuda.remote import framing, python_heredoc, shell_text
 
 # One nonce per process (a doctor run): its frames, never what a target prints, are believed.
@@ -49,16 +50,102 @@ def command(target: Target, home: str | None = None) -> BuiltCommand:
     return build(target.chain, Invocation(script, env, timeout=300, secret_vars=framing.nonce_vars(_NONCE)))
 
 
+# -- the target's answer, typed: every field findings() and model_verdict() read has the type they read it as ----
+#
+# A record is checked against its shape, section by section; a section that does not have it becomes
+# {"error": ...} (that target's failure, said in its report), never an exception of the run.
+
+Shape = Any  # a type, a tuple of alternatives, {key: shape} (a key is required when its shape is _Must), [shape], _Map
+
+
+@dataclass(frozen=True)
+class _Map:
+    """A mapping of any string keys to values of one shape."""
+
+    value: Shape
+
+
+@dataclass(frozen=True)
+class _Must:
+    """A key of a record that must be there."""
+
+    value: Shape
+
+
+_TEXT = (str,)
+_SCALAR = (str, int, float, type(None))  # torch.version.cuda is None on a CPU build; a capability may be a number
+_ERROR = {"error": _Must(_TEXT)}
+_PACKAGE = ({"version": _SCALAR, "kernel": (bool, str, type(None)), "path": _TEXT}, _ERROR)
+PROBE: dict[str, Shape] = {
+    "python": _TEXT, "cuda_home": _TEXT, "gpus": _TEXT,
+    "nvcc": ([{"where": _Must(_TEXT), "path": _Must(_TEXT), "release": _Must(_TEXT)}], _ERROR),
+    "torch": (_ERROR, {"version": _Must(_TEXT), "cuda": _SCALAR, "gpu": (bool,), "arch_list": [_TEXT],
+                       "capability": _SCALAR, "installed_at": (int, float, type(None))}),
+    "causal_conv1d": _PACKAGE, "fla": _PACKAGE,
+    "cached_causal_conv1d": [{"path": _Must(_TEXT), "built": _Must(_TEXT), "stale": _Must((bool,))}],
+}
+_MODULE = (_ERROR, {"style": _Must(("flag",)), "is_fast_path_available": _Must((bool,))},
+           {"style": _Must(("wrapped",)), "functions": _Must(_Map(_TEXT)), "fast": _Map((bool,))})
+GATE: Shape = (_ERROR, {"version": _Must(_TEXT), "modules": _Map(_MODULE)})
+GPU: Shape = (_ERROR, {"driver": _SCALAR, "libs": _Map(_SCALAR), "failures": [_TEXT]})
+
+
+def fits(value: Any, shape: Shape) -> bool:
+    """Whether `value` (decoded JSON) has `shape`."""
+    if isinstance(shape, _Map):
+        return isinstance(value, dict) and all(isinstance(k, str) and fits(v, shape.value) for k, v in value.items())
+    if isinstance(shape, dict):  # a record that is not an error holds no `error`: one or the other
+        return isinstance(value, dict) and ("error" in shape or "error" not in value) and all(
+            fits(value[k], s.value if isinstance(s, _Must) else s) if k in value else not isinstance(s, _Must)
+            for k, s in shape.items())
+    if isinstance(shape, list):
+        return isinstance(value, list) and all(fits(v, shape[0]) for v in value)
+    if isinstance(shape, tuple):  # alternatives: types, literal strings, or shapes
+        return any(fits(value, s) if isinstance(s, (dict, list, tuple, _Map))
+                   else (type(value) is s if isinstance(s, type) else value == s) for s in shape)
+    return False
+
+
+def typed(record: Any, shapes: dict[str, Shape]) -> dict[str, Any]:
+    """The record's sections that have their shape; the others as {"error": ...}, named."""
+    if not isinstance(record, dict):
+        return {"error": f"the target's report is {type(record).__name__}, not a record"}
+    out: dict[str, Any] = {}
+    malformed = []
+    for key, shape in shapes.items():
+        if key not in record:
+            continue
+        if fits(record[key], shape):
+            out[key] = record[key]
+        elif isinstance(shape, tuple) and _ERROR in shape:  # a section that can say its own error
+            out[key] = {"error": f"the target's {key} is malformed"}
+        else:
+            malformed.append(key)
+    if malformed:
+        out["malformed"] = malformed
+    return out
+
+
+def typed_section(record: Any, shape: Shape, what: str) -> dict[str, Any]:
+    return dict(record) if fits(record, shape) and isinstance(record, dict) else {"error": f"{what} is malformed"}
+
+
 def parse(output: str, nonce: str | None = None) -> dict:
-    """The probe's report, with the gate's findings as its `transformers` entry."""
+    """The probe's report, typed (a malformed section is that section's error), with the gate's findings as its
+    `transformers` entry."""
     found = framing.read(output, nonce or _NONCE)
     reports = [r.report for r in found if isinstance(r, framing.DoctorRecord)]
     if not reports:
         lines = [ln for ln in output.splitlines() if ln.strip()]
         return {"error": "no report from the target: " + " / ".join(lines[-3:])}
-    report = dict(reports[-1])
+    report = typed(reports[-1], PROBE)
+    if "error" in report:
+        return report
+    for key in ("nvcc", "torch", "causal_conv1d", "fla"):
+        report.setdefault(key, {"error": "not reported"})
     gates = [r.report for r in found if isinstance(r, framing.GateRecord)]
-    report["transformers"] = dict(gates[-1]) if gates else {"error": "the fast-path gate did not report"}
+    report["transformers"] = (typed_section(gates[-1], GATE, "the fast-path gate's report") if gates
+                              else {"error": "the fast-path gate did not report"})
     return report
 
 
@@ -85,7 +172,7 @@ def gpu_report(output: str, nonce: str | None = None) -> dict:
     if not found:
         lines = [ln for ln in output.splitlines() if ln.strip()]
         return {"error": "the GPU passthrough check did not report: " + " / ".join(lines[-3:])}
-    return dict(found[-1])
+    return typed_section(found[-1], GPU, "the GPU passthrough check's report")
 
 
 def gpu_findings(report: dict) -> list[Finding]:
@@ -103,8 +190,8 @@ def gpu_findings(report: dict) -> list[Finding]:
 
 def findings(report: dict) -> list[Finding]:
     out: list[Finding] = []
-    if "error" in report and len(report) == 1:
-        return [Finding("doctor", report["error"], "fail")]
+    if "error" in report:  # no probe report (a `gpu_passthrough` entry may stand beside it)
+        return [Finding("doctor", str(report["error"]), "fail")]
     torch = report.get("torch", {})
     torch_cuda = torch.get("cuda") if isinstance(torch, dict) and "error" not in torch else None
     nvccs = report.get("nvcc", [])
@@ -149,6 +236,8 @@ def findings(report: dict) -> list[Finding]:
                 for fn, impl in mod["functions"].items():
                     fast = mod.get("fast", {}).get(fn, False)  # as the gate judged it
                     out.append(Finding(f"transformers {tf['version']} {short}.{fn}", impl, "ok" if fast else "fail"))
+    if report.get("malformed"):
+        out.append(Finding("doctor", f"the target's answer is malformed: {', '.join(report['malformed'])}", "fail"))
     for c in report.get("cached_causal_conv1d", []):
         out.append(Finding("cached causal-conv1d wheel", f"{c['path']} (built {c['built']})",
                            "warn" if c["stale"] else "info"))
@@ -165,13 +254,16 @@ def render(results: dict[str, list[Finding]], console: Console,
         for col in ("check", "found", "status"):
             table.add_column(col, overflow="fold")
         for f in items:
-            table.add_row(Text(f.check), Text(f.value), Text(f.status, style=STYLE[f.status]))
+            # What the target said is data: Text (never markup), control and bidi characters escaped.
+            table.add_row(Text(printable(str(f.check))), Text(printable(str(f.value))),
+                          Text(f.status, style=STYLE[f.status]))
         console.print(table)
     if model is not None and verdicts:
         # The answer to "how many layers take the fast path", one line a target, after the detail.
         console.print(Text(f"model {model.summary()}", style="bold"), soft_wrap=True)
         for target, v in verdicts.items():
-            console.print(Text.assemble(Text(f"{target}: "), Text(v.message, style=STYLE[v.status])), soft_wrap=True)
+            console.print(Text.assemble(Text(f"{target}: "), Text(printable(v.message), style=STYLE[v.status])),
+                          soft_wrap=True)
 
 
 # -- doctor --model: how many of a model's layers take the fast path on a target ---------------------------------
@@ -215,7 +307,7 @@ def model_verdict(model: Model, report: dict) -> ModelVerdict:
     if linear == 0:
         return ModelVerdict("no-kernels", "ok", total, 0, f"{total} of {total} layers need no fast-path kernels "
                                                           f"(all {FULL})")
-    if "error" in report and len(report) == 1:
+    if "error" in report:
         return ModelVerdict("unknown", "warn", 0, 0, f"not known: {report['error']}", [str(report["error"])])
     problems = {p: why for p in GATED_DELTA_NET.packages
                 if (why := _package_problem(p, report.get(p))) is not None}

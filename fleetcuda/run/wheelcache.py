@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fleetcuda.run.fingerprint import FIELDS, key
 from fleetcuda.run.wheelhouse import sha256
@@ -288,22 +289,31 @@ class WheelCache:
 
 
 def render_cache(root: Path, items: list[CacheEntry | Problem], console: Console) -> None:
+    """The cache as a table. Every cell is data (rich Text, control and bidi characters escaped): a fingerprint's
+    fields and a wheel's provenance came from the build target (`2.11.0[/]` is a version, never markup)."""
+    from fleetcuda.redact import printable
+
+    def cell(value: object, style: str = "") -> Text:
+        return Text(printable(str(value)), style=style)
+
     if not items:
-        console.print(f"no wheels cached in {root}", markup=False)
+        console.print(cell(f"no wheels cached in {root}"))
         return
-    table = Table(title=f"cached wheels ({root})")
+    table = Table(title=cell(f"cached wheels ({root})"))
     for col in ("package", "fingerprint", "torch", "CUDA", "python", "nvcc", "archs", "built on", "built at",
                 "installs", "size", "sha256"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for item in items:
         if isinstance(item, Problem):
-            table.add_row(f"[red]{item.path.parent.name}[/]", item.path.name, f"[red]broken: {item.why}[/]",
+            table.add_row(cell(item.path.parent.name, "red"), cell(item.path.name), cell(f"broken: {item.why}", "red"),
                           *[""] * 9)
             continue
         p, f = item.provenance, item.fingerprint
-        table.add_row(f"{f['package']} {f['version']}", item.key, f["torch"], f["torch_cuda"], f["abi"], f["nvcc"],
-                      f["archs"], str(p.get("built_on", "?")), str(p.get("built_at", "?")), str(p.get("installs", 0)),
-                      _size(int(p.get("size", 0))), item.sha256[:12])
+        size = p.get("size", 0)
+        table.add_row(*(cell(v) for v in (
+            f"{f['package']} {f['version']}", item.key, f["torch"], f["torch_cuda"], f["abi"], f["nvcc"], f["archs"],
+            p.get("built_on", "?"), p.get("built_at", "?"), p.get("installs", 0),
+            _size(size) if isinstance(size, int) else size, item.sha256[:12])))
     console.print(table)
     console.print("fleetcuda cache prune: drop broken entries; --older-than DAYS, --package P or --all for more",
                   markup=False, highlight=False)
