@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from fleetcuda.steps.base import Scripts, StepContext, StepSpec
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, lines_of
 
 
 class ShellStep(StepSpec):
@@ -28,3 +28,12 @@ class ShellStep(StepSpec):
             return ctx.shell(text) if text is not None else None
 
         return Scripts(render(self.check), render(self.apply), render(self.verify))
+
+    def describe(self, ctx: StepContext) -> str:
+        if self.apply is None:
+            scripts = [f"{phase} ({lines_of(text)})" for phase, text in (("check", self.check), ("verify", self.verify))
+                       if text is not None]
+            return "shell: an assertion: " + ", ".join(scripts)
+        scripts = [f"{phase} ({lines_of(text)})" for phase, text in
+                   (("check", self.check), ("apply", self.apply), ("verify", self.verify)) if text is not None]
+        return "shell: " + ", ".join(scripts)
