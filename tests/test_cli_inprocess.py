@@ -402,5 +402,11 @@ def test_format_is_for_dry_runs_and_each_format_is_what_it_says(cli: Cli, local:
     doc = json.loads(cli("apply", recipe, "-i", local, "--dry-run", "--format", "json").out)
     assert doc["schema"] == "fleetcuda.plan/1" and [s["name"] for s in doc["targets"][0]["steps"]] == ["touch"]
     human = cli("apply", recipe, "-i", local, "--dry-run").out
-    assert "step 1/1 touch (shell)" in human and max(len(line) for line in human.splitlines()) <= 160
+    assert "  1 touch: shell: check (1 line), apply (1 line), verify (1 line)\n" in human
+    assert max(len(line) for line in human.splitlines()) <= 120
+    full = cli("apply", recipe, "-i", local, "--dry-run", "--verbose").out
+    assert "step 1/1 touch (shell)" in full and max(len(line) for line in full.splitlines()) <= 160
+    for wrong in (["--format", "json"], ["--format", "shell"], []):
+        refused = cli("apply", recipe, "-i", local, *wrong, "--verbose", *(["--dry-run"] if wrong else []))
+        assert refused.code == ExitStatus.INPUT and "--verbose: only goes with --dry-run's human format" in refused.err
     assert not (tmp_path / "made").exists()

@@ -101,7 +101,7 @@ from fleetcuda.plan.planner import (
     vmid_of,
 )
 from fleetcuda.plan.recipe import Recipe
-from fleetcuda.redact import Redactor
+from fleetcuda.redact import URL_CREDENTIALS, Redactor
 from fleetcuda.run.locks import LOCK_REFRESH_S, TargetLock
 
 Format = Literal["human", "shell", "json"]
@@ -770,15 +770,20 @@ def _summary(recipe: Recipe, inventory: Inventory, views: list[TargetView], prog
             if send.command is not None:
                 _with_references(parse_command(send.command).script, forms, used)
     n = len(views)
-    out = [*wrap_words("# ", ascii_line(f"fleetcuda apply {recipe.path} --dry-run ({inventory.path}): {n} "
-                                        f"target{'s' if n != 1 else ''}, nothing sent"), "#   ", width),
+    out = [*wrap_words("# ", ascii_line(f"fleetcuda apply {recipe.path} --dry-run: {n} target(s) from "
+                                        f"{inventory.path}; nothing was sent"), "#   ", width),
            *wrap_words("# ", "--verbose: every command in full; --format shell: lines to paste; --format json: data",
                        "#   ", width)]
     groups: dict[tuple[str, ...], list[TargetView]] = {}
     bodies: dict[tuple[str, ...], list[tuple[str, str, str]]] = {}
     for v in views:
         redact = Redactor(v.plan.secrets)
-        body = [(a, ascii_line(redact(text)), c) for a, text, c in _summary_body(recipe, v)]
+
+        def hide(text: str, redact: Redactor = redact) -> str:
+            # A password in a URL makes the whole value a secret (planner.Secrets), shown nowhere: the whole URL.
+            return redact(" ".join("***" if URL_CREDENTIALS.search(w) else w for w in text.split(" ")))
+
+        body = [(a, ascii_line(hide(text)), c) for a, text, c in _summary_body(recipe, v)]
         key = tuple(text for _, text, _ in body)
         groups.setdefault(key, []).append(v)
         bodies[key] = body

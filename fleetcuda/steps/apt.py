@@ -108,7 +108,8 @@ class AptPackagesStep(StepSpec):
     def describe(self, ctx: StepContext) -> str:
         how = ["apt-get update first"] if self.update else []
         how.append(f"waits up to {ctx.raw(str(self.lock_timeout))} s for dpkg's lock")
-        return f"apt: install {' '.join(ctx.raw(p) for p in self.packages)} (" + "; ".join(how) + _extra(self.verify) + ")"
+        packages = " ".join(ctx.raw(p) for p in self.packages)
+        return f"apt: install {packages} (" + "; ".join(how) + _extra(self.verify) + ")"
 
 
 def _extra(verify: str | None) -> str:
