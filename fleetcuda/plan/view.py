@@ -695,6 +695,10 @@ def describe_step(recipe: Recipe, view: TargetView, index: int) -> list[str]:
     values = display_values(view)
     python = "python3" if spec.on == "host" else view.target.python
     what = [spec.describe(StepContext(values, python, recipe.name))]  # type: ignore[attr-defined]
+    keyrings = [st.name for st, p in zip(recipe.steps[:index], view.plan.steps, strict=False)
+                if st.kind == "apt_keyring" and not p.skipped]
+    if spec.kind == "apt_packages" and keyrings:
+        what[0] += f"; apt's sources include the repo of step {', '.join(keyrings)}"
     notes: list[str] = []
     if spec.description and spec.kind in ("shell", "program"):  # kinds whose fields say little of what they prove
         notes.append(" ".join(spec.description.split()))

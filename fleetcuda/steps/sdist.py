@@ -204,7 +204,6 @@ class SdistBuildStep(StepSpec):
                  "built on every target (share: false)"]
         check = "check: installed" + "".join(f", imports {m}" for m in self.imports) + (
             ", built for this ABI" if share else "")
-        where = where[len("from "):] if where.startswith("from ") else where
         return (f"build: {self.package} {ctx.raw(self.version)} (sdist {where}) for {built_for} ("
                 + "; ".join([*parts, check]) + (f"; and its verify ({lines_of(self.verify)})"
                                                  if self.verify else "") + ")")
