@@ -126,9 +126,15 @@ def test_a_recipe_of_ones_own_and_its_secrets(tmp_path: Path) -> None:
           - name: sane
             verify: "{{ where }}/bin/python -c 'import sys'"
             on: host
+          - name: login
+            check: hf auth whoami --token {{ hf_token }}
+            apply: hf auth login --token {{ hf_token }}
         """))
     text = dry_run("-i", "inventories/example.yaml", "--var", "hf_token=hf_abcdefghijkl0123", recipe=str(recipe))
     assert "hf_abcdefghijkl0123" not in text
-    assert "  1 venv: shell: check (1 line), apply (1 line)\n" in text
+    # One-line scripts are shown with their values in place; secrets masked as everywhere.
+    assert "  1 venv: shell: check `test -x /opt/x/bin/python`; apply `python3 -m venv /opt/x`\n" in text
     assert "  2 token: file: /etc/profile.d/token.sh (0644, replaced atomically): HF_TOKEN=*** WHERE=/opt/x;" in text
-    assert "  3 sane: shell: an assertion: verify (1 line)\n      runs on the host, through its login shell\n" in text
+    assert ("  3 sane: shell: an assertion: verify `/opt/x/bin/python -c 'import sys'`\n"
+            "      runs on the host, through its login shell\n") in text
+    assert "  4 login: shell: check `hf auth whoami --token ***`; apply `hf auth login --token ***`\n" in text

@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
     ap.add_argument("--format", choices=["human", "shell", "json"], default=None,
                     help="with --dry-run: human (default: to review), shell (lines to paste into bash or zsh), "
                          "json (the plan as data, schema fleetcuda.plan/1; see docs/dry-run.md)")
+    ap.add_argument("--detailed-exitcode", action="store_true",
+                    help=f"with --check: exit {int(ExitStatus.WOULD_CHANGE)} when nothing failed and some step would "
+                         "change (0: nothing would change), as terraform plan -detailed-exitcode")
     ap.add_argument("--verbose", action="store_true",
                     help="with --dry-run (human format): every round trip's full script, environment and label, "
                          "instead of one line per step")
@@ -56,6 +59,9 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
     if rolling and args.dry_run and args.format == "json":
         raise InputError(rolling, None, "", "with --dry-run, the batches are shown by --format human or shell, "
                                             "not json")
+    if args.detailed_exitcode and not args.check:
+        raise InputError("--detailed-exitcode", None, "", "only goes with --check (apply changes what would change; "
+                                                         "a dry-run contacts nothing)")
     if args.verbose and not (args.dry_run and args.format in (None, "human")):
         raise InputError("--verbose", None, "", "only goes with --dry-run's human format (shell and json are "
                                                 "complete already)")
