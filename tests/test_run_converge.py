@@ -125,9 +125,9 @@ def test_check_says_unknown_for_a_check_that_an_earlier_change_decides(tmp_path:
     assert [(s.name, str(s.status), s.detail) for s in result.steps] == [
         ("sane", "ok", "already satisfied"),
         ("compiler", "would-change", "check not satisfied"),
-        ("nvcc-matches", "unknown", "depends on compiler, which would change (its check fails before them)"),
+        ("nvcc-matches", "unknown", "depends on compiler, which would change"),
         ("ext", "would-change", "check not satisfied"),
-        ("ext-works", "unknown", "depends on compiler and ext, which would change (its check fails before them)")]
+        ("ext-works", "unknown", "depends on compiler and ext, which would change")]
     nvcc = result.steps[2]
     assert nvcc.found == "bash: nvcc: command not found" and nvcc.tail == ["bash: nvcc: command not found"]
     # What each would do, in the kind's words, not a command line.
@@ -172,3 +172,14 @@ def test_apply_still_fails_an_assertion_after_a_change(tmp_path: Path) -> None:
     [result] = engine.run()
     assert [(s.name, str(s.status)) for s in result.steps] == [
         ("sane", "ok"), ("compiler", "changed"), ("nvcc-matches", "failed")]
+
+
+def test_unknown_names_the_nearest_three_steps_that_would_change(tmp_path: Path) -> None:
+    steps = "".join(f"  - name: s{i}\n    check: test -e /s{i}\n    apply: touch /s{i}\n" for i in range(5))
+    engine, fake = make_engine(tmp_path, steps + "  - name: all-there\n    verify: test -e /s4\n", mode="check")
+    for i in range(5):
+        fake.on(step=f"s{i}", phase="check", reply=exit_with(1))
+    fake.on(step="all-there", reply=exit_with(1))
+    [result] = engine.run()
+    assert result.steps[-1].status == StepStatus.UNKNOWN
+    assert result.steps[-1].detail == "depends on s2, s3 and s4 (and 2 earlier step(s)), which would change"

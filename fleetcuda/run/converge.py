@@ -67,10 +67,12 @@ class Converger:
         answer may be theirs to change). A timeout is no answer: it stays a failure."""
         if self.ctx.mode != "check" or not would_change or timed_out(res):
             return failed(step, phase, res, start, why)
-        names = ", ".join(would_change[:-1]) + (" and " if len(would_change) > 1 else "") + would_change[-1]
+        last = would_change[-3:]  # the nearest three: a long recipe's whole list says no more
+        names = ", ".join(last[:-1]) + (" and " if len(last) > 1 else "") + last[-1]
+        if len(would_change) > len(last):
+            names += f" (and {len(would_change) - len(last)} earlier step(s))"
         return StepResult(step.name, StepStatus.UNKNOWN, time.monotonic() - start,
-                          f"depends on {names}, which would change (its {phase} fails before them)", tail(res.output),
-                          found=found(res.output))
+                          f"depends on {names}, which would change", tail(res.output), found=found(res.output))
 
     @staticmethod
     def _redacted(channel: TargetChannel, sr: StepResult, expect: str) -> StepResult:
