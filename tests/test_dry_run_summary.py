@@ -138,3 +138,24 @@ def test_a_recipe_of_ones_own_and_its_secrets(tmp_path: Path) -> None:
     assert ("  3 sane: shell: an assertion: verify `/opt/x/bin/python -c 'import sys'`\n"
             "      runs on the host, through its login shell\n") in text
     assert "  4 login: shell: check `hf auth whoami --token ***`; apply `hf auth login --token ***`\n" in text
+
+
+def test_at_80_columns_no_line_is_longer_and_only_a_long_path_is_cut_after_a_colon() -> None:
+    from fleetcuda.plan import view
+    from fleetcuda.plan.inventory import load_inventory
+    from fleetcuda.plan.recipe import load_recipe
+    from fleetcuda.remote import catalog
+
+    recipe, inv = load_recipe(REPO / GDN), load_inventory(REPO / "tests/data/four_containers.yaml")
+    programs = {name: p.text for name, p in catalog().items()}
+    narrow = view.render("human", recipe, inv, inv.targets, {}, lambda t: None, programs, width=80)
+    wide = view.render("human", recipe, inv, inv.targets, {}, lambda t: None, programs, width=120)
+    assert max(map(len, narrow.splitlines())) <= 80 and max(map(len, wide.splitlines())) <= 120
+    # The same words either way: lines break at spaces, and a word longer than a line (the venv's PATH, 79
+    # characters) after one of its colons, behind the indent.
+    def words(text: str) -> str:  # below the header, whose continuation lines start with `#`
+        return " ".join(text.split("\n\n", 1)[1].split()).replace(": /usr/", ":/usr/").replace(": /bin ", ":/bin ")
+
+    assert words(narrow) == words(wide)
+    assert "\n    PATH=/root/venv/bin:/usr/local/sbin:/usr/local/bin:\n    /usr/sbin:" in narrow or \
+        "\n    PATH=/root/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:\n    /bin " in narrow

@@ -656,7 +656,8 @@ NBSP = "\x00"  # wrap_words: a space no line ends at (ascii_line has escaped eve
 
 def wrap_words(first: str, text: str, more: str, width: int = SUMMARY_WIDTH) -> list[str]:
     """`first + text` wrapped at spaces (not at NBSP) into lines of at most `width`, continuation lines behind
-    `more`. A word longer than a whole line is cut (never anything else)."""
+    `more`. A word longer than a whole line is cut after its last `:` that fits (else `,`, else `/`), else where
+    it must."""
     lines: list[str] = []
     line = first
     fresh = True  # nothing but the prefix on `line` yet
@@ -668,10 +669,11 @@ def wrap_words(first: str, text: str, more: str, width: int = SUMMARY_WIDTH) -> 
         if not fresh:
             lines.append(line)
             line, fresh = more, True
-        while len(line) + len(word) > width:  # a word no line holds: cut, as little as possible
+        while len(line) + len(word) > width:  # a word no line holds (a long PATH): cut after a `:`, `,` or `/`
             room = max(1, width - len(line))
-            lines.append(line + word[:room])
-            word, line = word[room:], more
+            cut = next((word.rfind(sep, 0, room) + 1 for sep in ":,/" if word.rfind(sep, 0, room) > 0), room)
+            lines.append(line + word[:cut])
+            word, line = word[cut:], more
         line, fresh = line + word, False
     lines.append(line)
     return [ln.replace(NBSP, " ") for ln in lines]
