@@ -129,9 +129,12 @@ def test_a_recipe_of_ones_own_and_its_secrets(tmp_path: Path) -> None:
           - name: login
             check: hf auth whoami --token {{ hf_token }}
             apply: hf auth login --token {{ hf_token }}
-        """))
-    text = dry_run("-i", "inventories/example.yaml", "--var", "hf_token=hf_abcdefghijkl0123", recipe=str(recipe))
-    assert "hf_abcdefghijkl0123" not in text
+            env: {INDEX_URL: "{{ mirror }}"}
+        """).replace('where: /opt/x}', 'where: /opt/x, mirror: ""}'))
+    text = dry_run("-i", "inventories/example.yaml", "--var", "hf_token=hf_abcdefghijkl0123",
+                   "--var", "mirror=https://ci:hunter2-pw@mirror.invalid/simple", recipe=str(recipe))
+    assert "hf_abcdefghijkl0123" not in text and "hunter2" not in text and "mirror.invalid" not in text
+    assert "      env INDEX_URL=***\n" in text  # a password in a URL: the whole URL is a secret
     # One-line scripts are shown with their values in place; secrets masked as everywhere.
     assert "  1 venv: shell: check `test -x /opt/x/bin/python`; apply `python3 -m venv /opt/x`\n" in text
     assert "  2 token: file: /etc/profile.d/token.sh (0644, replaced atomically): HF_TOKEN=*** WHERE=/opt/x;" in text

@@ -787,7 +787,12 @@ def _summary(recipe: Recipe, inventory: Inventory, views: list[TargetView], prog
 
         def hide(text: str, redact: Redactor = redact) -> str:
             # A password in a URL makes the whole value a secret (planner.Secrets), shown nowhere: the whole URL.
-            return redact(" ".join("***" if URL_CREDENTIALS.search(w) else w for w in text.split(" ")))
+            def word(w: str) -> str:
+                name, eq, value = w.partition("=")
+                keep = name + eq if eq and not URL_CREDENTIALS.search(name) and name.isidentifier() else ""
+                return keep + "***" if URL_CREDENTIALS.search(w) else w
+
+            return redact(" ".join(word(w) for w in text.split(" ")))
 
         body = [(a, ascii_line(hide(text)), c) for a, text, c in _summary_body(recipe, v)]
         key = tuple(text for _, text, _ in body)
