@@ -1,5 +1,6 @@
 """`fleetcuda apply`: converge targets to a recipe; `--check` runs only the read-only checks and says what
-would change; `--dry-run` connects to nothing and prints the exact commands. `--canary N` and `--serial K`
+would change (`--detailed-exitcode`: exit 4 when something would); `--dry-run` connects to nothing and prints
+what apply would do (`--verbose`: every exact command; `--format shell|json`). `--canary N` and `--serial K`
 roll out in batches (run/rollout.py): a batch that does not fully succeed stops the rest."""
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
     ap = sub.add_parser("apply", help="converge targets to a recipe")
     common.add_run_options(ap, env)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true", help="connect to nothing; print the exact commands")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="connect to nothing; print what apply would do, one line or a few per step (--verbose: "
+                           "every exact command)")
     mode.add_argument("--check", action="store_true", help="run only the read-only checks; say what would change")
     ap.add_argument("--format", choices=["human", "shell", "json"], default=None,
                     help="with --dry-run: human (default: to review), shell (lines to paste into bash or zsh), "

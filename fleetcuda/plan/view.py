@@ -7,7 +7,13 @@ then either the cached wheel's transfer and install, or the build and the wheel'
 the lock refresh while a step runs long, the lock release, and the removal of what was staged on a host.
 
 Formats:
-- `human`: per target the hop chain and the environment once, then every round trip as a numbered block
+- `human` (the default, `apply --dry-run`): a summary to review, one screen per plan (`_summary`): per target
+  how it is reached and the environment once, what is read from it at run time (`<name>`, see
+  templating.Unread), then per step its kind's `describe()` in an operator's words with values resolved, and
+  its env, satisfied_if, retries and timeout; targets with equal summaries are one group; the programs sent,
+  by name and digest. Lines are wrapped at spaces (`wrap_words`) to `width`.
+- `human` with `verbose=True` (`--verbose`): per target the hop chain and the environment once, then every
+  round trip as a numbered block
   of the raw script (what the target's bash reads: its `name=value` prologue, then the script), with
   its timeout, label, retries and what it proves. Long programs given in `programs` are shown once, in a
   section at the end, and referred to as `<program NAME sha256:<12 hex>>` where scripts contain them.
