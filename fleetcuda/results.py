@@ -15,6 +15,9 @@ class StepStatus(StrEnum):
     CHANGED = "changed"
     SKIPPED = "skipped"
     WOULD_CHANGE = "would-change"
+    # --check: a check that failed while an earlier step would change, whose answer may well be that change's
+    # (nvcc not there yet because the step installing it has not run): neither ok nor a failure.
+    UNKNOWN = "unknown"
     DRIFT = "drift"
     FAILED = "failed"
 
@@ -40,6 +43,7 @@ class ExitStatus(IntEnum):
     FAILED = 1  # a target failed, drifted, was locked by another run, or ended in any other non-success state
     INPUT = 2  # bad inventory, recipe, argument or local file
     UNREACHABLE = 3  # a target could not be reached (and none failed)
+    WOULD_CHANGE = 4  # `apply --check --detailed-exitcode` only: nothing failed, and some step would change
     INTERNAL = 70  # a bug of fleetcuda's (EX_SOFTWARE): said in one line, the traceback with FLEETCUDA_DEBUG=1
     INTERRUPTED = 130
 
@@ -75,9 +79,10 @@ class TargetResult:
         return sum(s.status == StepStatus.CHANGED for s in self.steps)
 
 
-def exit_code(results: list[TargetResult]) -> ExitStatus:
+def exit_code(results: list[TargetResult], *, detailed: bool = False) -> ExitStatus:
     """OK only when every target ended in a success status; INTERRUPTED wins, then UNREACHABLE when that
-    is the only kind of failure, else FAILED.
+    is the only kind of failure, else FAILED. `detailed` (`apply --check --detailed-exitcode`): a success in
+    which some target would change is WOULD_CHANGE, as `terraform plan -detailed-exitcode` says 2.
 
     Targets a stopped rollout never started (not-run) are never a success, but they do not hide why it
     stopped: a canary that was unreachable is exit 3 with the rest not-run, as when it was alone."""
@@ -86,7 +91,7 @@ def exit_code(results: list[TargetResult]) -> ExitStatus:
         return ExitStatus.INTERRUPTED
     bad = statuses - SUCCESS
     if not bad:
-        return ExitStatus.OK
+        return ExitStatus.WOULD_CHANGE if detailed and TargetStatus.WOULD_CHANGE in statuses else ExitStatus.OK
     if bad - {TargetStatus.NOT_RUN} == {TargetStatus.UNREACHABLE}:
         return ExitStatus.UNREACHABLE
     return ExitStatus.FAILED

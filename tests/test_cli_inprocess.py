@@ -222,6 +222,32 @@ def test_apply_converges_then_finds_nothing_to_do(cli: Cli, local: Path, tmp_pat
     assert not (tmp_path / "process-state").exists()
 
 
+def test_check_previews_a_fresh_target_and_says_would_change_in_its_exit_code_when_asked(cli: Cli, local: Path,
+                                                                                       tmp_path: Path) -> None:
+    made = tmp_path / "made"
+    recipe = write(tmp_path / "fresh.yaml", f"""name: fresh
+steps:
+  - name: venv
+    check: test -e {made}
+    apply: touch {made}
+  - name: venv-sane
+    verify: test -e {made}
+""")
+    check = cli("apply", recipe, "-i", local, "--check", "--plain")
+    assert check.code == ExitStatus.OK, check.out + check.err
+    assert "h venv-sane: unknown (depends on venv, which would change, " in check.out
+    assert f"h: step venv would change: shell: check `test -e {made}`; apply `touch {made}`\n" in check.out
+    assert "h: step venv-sane unknown: depends on venv, which would change" in check.out
+    assert "h done: would-change" in check.out and not made.exists()
+    detailed = cli("apply", recipe, "-i", local, "--check", "--plain", "--detailed-exitcode")
+    assert detailed.code == ExitStatus.WOULD_CHANGE == 4 and not made.exists()
+    assert cli("apply", recipe, "-i", local, "--plain").code == ExitStatus.OK and made.exists()
+    assert cli("apply", recipe, "-i", local, "--check", "--plain", "--detailed-exitcode").code == ExitStatus.OK
+    for wrong in (["--dry-run"], []):
+        refused = cli("apply", recipe, "-i", local, *wrong, "--detailed-exitcode")
+        assert refused.code == ExitStatus.INPUT and "--detailed-exitcode: only goes with --check" in refused.err
+
+
 def test_a_dry_run_prints_the_commands_and_runs_none(cli: Cli, local: Path, tmp_path: Path) -> None:
     got = cli("apply", converge_recipe(tmp_path), "-i", local, "--dry-run", "--format", "shell")
     assert got.code == ExitStatus.OK and got.err == ""
@@ -402,5 +428,13 @@ def test_format_is_for_dry_runs_and_each_format_is_what_it_says(cli: Cli, local:
     doc = json.loads(cli("apply", recipe, "-i", local, "--dry-run", "--format", "json").out)
     assert doc["schema"] == "fleetcuda.plan/1" and [s["name"] for s in doc["targets"][0]["steps"]] == ["touch"]
     human = cli("apply", recipe, "-i", local, "--dry-run").out
-    assert "step 1/1 touch (shell)" in human and max(len(line) for line in human.splitlines()) <= 160
+    made = tmp_path / "made"
+    assert f"  1 touch: shell: check `test -e {made}`; apply `touch {made}`; verify `test -e {made}`\n" in \
+        human.replace("\n      ", " ")
+    assert max(len(line) for line in human.splitlines()) <= 120
+    full = cli("apply", recipe, "-i", local, "--dry-run", "--verbose").out
+    assert "step 1/1 touch (shell)" in full and max(len(line) for line in full.splitlines()) <= 160
+    for wrong in (["--format", "json"], ["--format", "shell"], []):
+        refused = cli("apply", recipe, "-i", local, *wrong, "--verbose", *(["--dry-run"] if wrong else []))
+        assert refused.code == ExitStatus.INPUT and "--verbose: only goes with --dry-run's human format" in refused.err
     assert not (tmp_path / "made").exists()

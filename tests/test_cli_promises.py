@@ -211,6 +211,8 @@ def test_secrets_never_printed_stored_or_on_a_command_line(tmp_path: Path) -> No
     rep = run_fleetcuda("verify", str(r), "-i", str(i), "--format", "json", "--var", "api_token=auto", state=state)
     assert env_token not in rep.stdout + rep.stderr
     dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", state=state)
+    assert not _leaks(dry.stdout)
+    dry = run_fleetcuda("apply", str(r), "-i", str(i), "--dry-run", "--verbose", state=state)
     assert not _leaks(dry.stdout) and "IFS= read -r -d" in dry.stdout
 
 

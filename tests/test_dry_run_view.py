@@ -42,11 +42,13 @@ def home_as_cli(target: Target) -> str | None:
     return str(Path.home()) if target.spec.kind == "local" and target.container is None else None
 
 
-def render(fmt: view.Format, recipe: str | Path, inventory: str | Path, limit: str | None = None,
+def render(fmt: view.Format | str, recipe: str | Path, inventory: str | Path, limit: str | None = None,
            overrides: dict[str, str] | None = None, programs: dict[str, str] = PROGRAMS,
            home: Callable[[Target], str | None] = home_as_cli) -> str:
+    """`fmt` "verbose" is the human format's full listing (--verbose); "human" its summary."""
     r, inv = load_recipe(REPO / recipe), load_inventory(REPO / inventory)
-    return view.render(fmt, r, inv, inv.select(limit), overrides or {}, home, programs, run_id=RUN)
+    return view.render("human" if fmt == "verbose" else fmt, r, inv, inv.select(limit),  # type: ignore[arg-type]
+                       overrides or {}, home, programs, run_id=RUN, verbose=fmt == "verbose")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +190,7 @@ def test_every_shell_line_parses_in_bash_and_zsh_and_is_7_bit(local_inventory: P
 @pytest.mark.parametrize("where", ["lab", "local"])
 def test_human_format_lines_are_short_7_bit_and_say_each_target_once(where: str, local_inventory: Path) -> None:
     inventory = LAB if where == "lab" else local_inventory
-    text = render("human", GDN, inventory)
+    text = render("verbose", GDN, inventory)
     targets = [t.id for t in load_inventory(REPO / inventory).targets]
     lines = text.splitlines()
     assert max(len(ln) for ln in lines) <= view.MAX_LINE
@@ -204,13 +206,13 @@ def test_human_format_lines_are_short_7_bit_and_say_each_target_once(where: str,
 
 def test_human_hop_chains_name_each_hop() -> None:
     hops = {tid: next(ln for ln in body if ln.startswith("  hops: "))
-            for tid, body in target_sections(render("human", GDN, LAB), "target ").items()}
+            for tid, body in target_sections(render("verbose", GDN, LAB), "target ").items()}
     assert hops["lab-a/200"].startswith("  hops: ssh labzsh@10.250.1.2 -> pct exec 200 -> env -i ")
     assert hops["lab-b/301"].startswith("  hops: ssh labops@10.250.2.2 -> sudo -n -> pct exec 301 -> env -i ")
 
 
 def test_human_environment_is_listed_once_and_scripts_say_only_what_differs() -> None:
-    body = target_sections(render("human", GDN, LAB, "lab-a/200"), "target ")["lab-a/200"]
+    body = target_sections(render("verbose", GDN, LAB, "lab-a/200"), "target ")["lab-a/200"]
     start = body.index("  environment of every step's commands (each script says what it adds or lacks):")
     env = []
     for ln in body[start + 1:]:
@@ -227,7 +229,7 @@ def test_human_environment_is_listed_once_and_scripts_say_only_what_differs() ->
 
 
 def test_human_fingerprint_program_is_shown_once_and_referred_to() -> None:
-    text = render("human", GDN, LAB, "lab-a/200")
+    text = render("verbose", GDN, LAB, "lab-a/200")
     reference = f"<program fingerprint sha256:{DIGEST[:12]}>"
     all_blocks = blocks(text)
     shown = FINGERPRINT.rstrip("\n")  # a block holds the program without its final newline
@@ -246,14 +248,14 @@ def test_human_fingerprint_program_is_shown_once_and_referred_to() -> None:
 
 
 def test_human_program_given_unquoted_is_found_in_its_quoted_form() -> None:
-    text = render("human", GDN, LAB, "lab-a/200", programs={"fp": TARGET_PROGRAM})
+    text = render("verbose", GDN, LAB, "lab-a/200", programs={"fp": TARGET_PROGRAM})
     digest = hashlib.sha256(TARGET_PROGRAM.encode()).hexdigest()
     assert f"<program fp sha256:{digest[:12]}>" in text
     assert blocks(text).count(TARGET_PROGRAM.rstrip("\n")) == 1  # shown without its final newline
 
 
 def test_human_shows_raw_scripts_with_their_prologue_not_one_liners() -> None:
-    text = render("human", GDN, LAB, "lab-a/200")
+    text = render("verbose", GDN, LAB, "lab-a/200")
     escape = "'\"'\"'"  # a quote inside single quotes, what one-liners are full of
     recipe, inv = load_recipe(REPO / GDN), load_inventory(REPO / LAB)
     tv = view.plan_target(recipe, inv.select("lab-a/200")[0], {}, None, run_id=RUN, nonce="0" * 16,
@@ -271,7 +273,7 @@ def test_human_shows_raw_scripts_with_their_prologue_not_one_liners() -> None:
 
 
 def test_human_shows_a_repeated_command_once() -> None:
-    body = target_sections(render("human", GDN, LAB, "lab-a/200"), "target ")["lab-a/200"]
+    body = target_sections(render("verbose", GDN, LAB, "lab-a/200"), "target ")["lab-a/200"]
     fla = body[body.index("  step 10/11 fla-core (pip_install)"):]
     check = next(int(m[1]) for ln in fla if (m := re.match(r"    \[(\d+)\] check ", ln)))
     verify = next(i for i, ln in enumerate(fla) if re.match(r"    \[\d+\] verify ", ln))
@@ -279,7 +281,7 @@ def test_human_shows_a_repeated_command_once() -> None:
 
 
 def test_human_round_trips_come_in_the_order_apply_sends_them() -> None:
-    text = render("human", GDN, LAB, "lab-a/200")
+    text = render("verbose", GDN, LAB, "lab-a/200")
     titles = [m[1] for ln in text.splitlines() if (m := re.match(r"\s+\[\d+\] (.+?) \(", ln))]
     numbers = [int(m[1]) for ln in text.splitlines() if (m := re.match(r"\s+\[(\d+)\] ", ln))]
     assert numbers == list(range(1, len(numbers) + 1))
@@ -425,7 +427,7 @@ def test_secrets_never_appear_in_any_format(tmp_path: Path) -> None:
     overrides = {"hf_token": "hf-Sx9-token-value", "db_password": "pw-'q\"$ (id)-7781", "plain": "plain-VALUE-5512",
                  "mirror": "https://ci:hunter2-pw@mirror.invalid/simple"}
     secrets = ["hf-Sx9-token-value", "pw-'q\"$ (id)-7781", "postgres-conn-Zq81", "hunter2-pw"]
-    for fmt in ("human", "shell", "json"):
+    for fmt in ("human", "verbose", "shell", "json"):
         text = render(fmt, recipe, LAB, "lab-a/200", overrides=overrides)
         for secret in secrets:
             assert secret not in text, (fmt, secret)
@@ -457,8 +459,8 @@ HOSTILE_RECIPE = textwrap.dedent("""\
 def test_hostile_values_cannot_break_the_human_or_shell_structure(tmp_path: Path, value: str) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(HOSTILE_RECIPE)
-    benign_human = render("human", recipe, LAB, "lab-a/200,lab-b/301")
-    human = render("human", recipe, LAB, "lab-a/200,lab-b/301", overrides={"x": value})
+    benign_human = render("verbose", recipe, LAB, "lab-a/200,lab-b/301")
+    human = render("verbose", recipe, LAB, "lab-a/200,lab-b/301", overrides={"x": value})
     assert human.isascii() and max(len(ln) for ln in human.splitlines()) <= view.MAX_LINE
 
     def structure(text: str) -> list[str]:  # every line outside a script block, its values blanked

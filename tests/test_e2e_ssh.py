@@ -99,7 +99,7 @@ def test_check_mode_reports_and_changes_nothing(lab: LoopbackSshd, env: dict[str
                      "--limit", "bashhost/300", "--plain", state=env["state"])
     assert proc.returncode == 0, proc.stderr
     assert "make-dir: would-change" in proc.stdout
-    assert "would run:" in proc.stdout and "mkdir -p" in proc.stdout
+    assert "step make-dir would change: shell: check `test -d " in proc.stdout and "apply `mkdir -p " in proc.stdout
     assert not (env["root"] / "ct300").exists()
     fleetcuda("apply", str(MARKER), "-i", str(env["inv"]), "--var", f"root={env['root']}",
               "--limit", "bashhost/300", "--plain", state=env["state"], check=True)

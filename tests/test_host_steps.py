@@ -104,7 +104,8 @@ def test_the_dry_run_shows_host_steps_on_the_host(tmp_path: Path) -> None:
     assert trips[:2] == ["lock-acquire", "host-checks"]
     host_batch = target["round_trips"][1]["script"]
     assert host_batch["runs_on"] == "host" and "pct exec" not in target["round_trips"][1]["line"].split(" -c ")[0]
-    human = view.render("human", recipe, inv, inv.targets, {}, lambda t: None, programs, run_id="feedf00d")
+    human = view.render("human", recipe, inv, inv.targets, {}, lambda t: None, programs, run_id="feedf00d",
+                        verbose=True)
     block = re.sub(r"\n +\+ \| ", "", human[human.index("step 3/3 gpu"):])  # lines unwrapped
     assert "runs on the host, through its login shell; label fleetcuda:gpu@feedf00d" in block
     assert "in the batch of host checks above" in block

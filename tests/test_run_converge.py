@@ -102,3 +102,84 @@ def test_a_secret_the_target_prints_is_masked_in_results_and_logs(tmp_path: Path
     assert login.tail == ["token *** rejected"]
     log = log_of(engine, "h")
     assert "token *** rejected" in log and "hf_abcdefghijkl" not in log
+
+
+# -- --check previews a fresh target: ok, would-change, unknown, failed ------------------------------------------
+
+# A fresh container, as the flagship's: a toolchain step to install, a step that needs what it installs, and
+# assertions before and after it.
+FRESH = ("  - name: sane\n    verify: test -d /\n"
+         "  - name: compiler\n    check: command -v nvcc\n    apply: apt-get install -y cuda-nvcc\n"
+         "  - name: nvcc-matches\n    verify: nvcc --version | grep -q 'release 12.8'\n"
+         "  - name: ext\n    check: python -c 'import ext'\n    apply: pip install ext\n"
+         "  - name: ext-works\n    verify: python -c 'import ext; ext.run()'\n")
+
+
+def test_check_says_unknown_for_a_check_that_an_earlier_change_decides(tmp_path: Path) -> None:
+    engine, fake = make_engine(tmp_path, FRESH, mode="check")
+    fake.on(step="compiler", phase="check", reply=exit_with(1, "no nvcc"))
+    fake.on(step="nvcc-matches", reply=exit_with(127, "bash: nvcc: command not found"))
+    fake.on(step="ext", phase="check", reply=exit_with(1, "ModuleNotFoundError: No module named 'ext'"))
+    fake.on(step="ext-works", reply=exit_with(1, "ModuleNotFoundError: No module named 'ext'"))
+    [result] = engine.run()
+    assert [(s.name, str(s.status), s.detail) for s in result.steps] == [
+        ("sane", "ok", "already satisfied"),
+        ("compiler", "would-change", "check not satisfied"),
+        ("nvcc-matches", "unknown", "depends on compiler, which would change"),
+        ("ext", "would-change", "check not satisfied"),
+        ("ext-works", "unknown", "depends on compiler and ext, which would change")]
+    nvcc = result.steps[2]
+    assert nvcc.found == "bash: nvcc: command not found" and nvcc.tail == ["bash: nvcc: command not found"]
+    # What each would do, in the kind's words, not a command line.
+    assert result.steps[1].would_run == "shell: check `command -v nvcc`; apply `apt-get install -y cuda-nvcc`"
+    assert fake.calls_for(phase="apply") == []
+    # Nothing failed: the preview exits 0, or WOULD_CHANGE when asked for the detail.
+    assert result.status == TargetStatus.WOULD_CHANGE
+    assert exit_code([result]) == ExitStatus.OK
+    assert exit_code([result], detailed=True) == ExitStatus.WOULD_CHANGE == 4
+
+
+def test_check_still_fails_a_real_failure(tmp_path: Path) -> None:
+    # Before anything would change, a failed assertion is a failure: nothing later could make it pass.
+    engine, fake = make_engine(tmp_path, FRESH, mode="check")
+    fake.on(step="sane", reply=exit_with(1, "no /"))
+    [result] = engine.run()
+    assert [(s.name, str(s.status)) for s in result.steps] == [("sane", "failed")]
+    assert result.status == TargetStatus.FAILED and exit_code([result], detailed=True) == ExitStatus.FAILED
+    # After one, a check that timed out gave no answer: a failure too, never unknown.
+    (tmp_path / "again").mkdir()
+    engine, fake = make_engine(tmp_path / "again", FRESH, mode="check")
+    fake.on(step="compiler", phase="check", reply=exit_with(1, "no nvcc"))
+    fake.on(step="nvcc-matches", reply=exit_with(124, "still waiting"))
+    [result] = engine.run()
+    assert [(s.name, str(s.status)) for s in result.steps] == [
+        ("sane", "ok"), ("compiler", "would-change"), ("nvcc-matches", "failed")]
+    assert result.status == TargetStatus.FAILED and exit_code([result]) == ExitStatus.FAILED
+
+
+def test_check_with_nothing_to_change_is_ok_and_exit_0_even_with_the_detail(tmp_path: Path) -> None:
+    engine, _ = make_engine(tmp_path, FRESH, mode="check")
+    [result] = engine.run()
+    assert {str(s.status) for s in result.steps} == {"ok"} and result.status == TargetStatus.OK
+    assert exit_code([result], detailed=True) == ExitStatus.OK
+
+
+def test_apply_still_fails_an_assertion_after_a_change(tmp_path: Path) -> None:
+    # unknown is --check's alone: a real apply ran the change, so the assertion's failure is real.
+    engine, fake = make_engine(tmp_path, FRESH)
+    fake.on(step="compiler", phase="check", reply=exit_with(1, "no nvcc"))
+    fake.on(step="nvcc-matches", reply=exit_with(1, "release 13.0"))
+    [result] = engine.run()
+    assert [(s.name, str(s.status)) for s in result.steps] == [
+        ("sane", "ok"), ("compiler", "changed"), ("nvcc-matches", "failed")]
+
+
+def test_unknown_names_the_nearest_three_steps_that_would_change(tmp_path: Path) -> None:
+    steps = "".join(f"  - name: s{i}\n    check: test -e /s{i}\n    apply: touch /s{i}\n" for i in range(5))
+    engine, fake = make_engine(tmp_path, steps + "  - name: all-there\n    verify: test -e /s4\n", mode="check")
+    for i in range(5):
+        fake.on(step=f"s{i}", phase="check", reply=exit_with(1))
+    fake.on(step="all-there", reply=exit_with(1))
+    [result] = engine.run()
+    assert result.steps[-1].status == StepStatus.UNKNOWN
+    assert result.steps[-1].detail == "depends on s2, s3 and s4 (and 2 earlier step(s)), which would change"

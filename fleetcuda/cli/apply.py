@@ -1,5 +1,6 @@
 """`fleetcuda apply`: converge targets to a recipe; `--check` runs only the read-only checks and says what
-would change; `--dry-run` connects to nothing and prints the exact commands. `--canary N` and `--serial K`
+would change (`--detailed-exitcode`: exit 4 when something would); `--dry-run` connects to nothing and prints
+what apply would do (`--verbose`: every exact command; `--format shell|json`). `--canary N` and `--serial K`
 roll out in batches (run/rollout.py): a batch that does not fully succeed stops the rest."""
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ def add_parser(sub: argparse._SubParsersAction, env: Environment) -> None:
     ap = sub.add_parser("apply", help="converge targets to a recipe")
     common.add_run_options(ap, env)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true", help="connect to nothing; print the exact commands")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="connect to nothing; print what apply would do, one line or a few per step (--verbose: "
+                           "every exact command)")
     mode.add_argument("--check", action="store_true", help="run only the read-only checks; say what would change")
     ap.add_argument("--format", choices=["human", "shell", "json"], default=None,
                     help="with --dry-run: human (default: to review), shell (lines to paste into bash or zsh), "
                          "json (the plan as data, schema fleetcuda.plan/1; see docs/dry-run.md)")
+    ap.add_argument("--detailed-exitcode", action="store_true",
+                    help=f"with --check: exit {int(ExitStatus.WOULD_CHANGE)} when nothing failed and some step would "
+                         "change (0: nothing would change), as terraform plan -detailed-exitcode")
+    ap.add_argument("--verbose", action="store_true",
+                    help="with --dry-run (human format): every round trip's full script, environment and label, "
+                         "instead of one line per step")
     ap.add_argument("--lock-wait", type=int, default=0, metavar="SECONDS",
                     help="wait this long for another apply's lock on a target (default: refuse at once)")
     ap.add_argument("--canary", type=target_count, default=None, metavar="N",
@@ -53,10 +62,16 @@ def run(args: argparse.Namespace, env: Environment) -> ExitStatus:
     if rolling and args.dry_run and args.format == "json":
         raise InputError(rolling, None, "", "with --dry-run, the batches are shown by --format human or shell, "
                                             "not json")
+    if args.detailed_exitcode and not args.check:
+        raise InputError("--detailed-exitcode", None, "", "only goes with --check (apply changes what would change; "
+                                                         "a dry-run contacts nothing)")
+    if args.verbose and not (args.dry_run and args.format in (None, "human")):
+        raise InputError("--verbose", None, "", "only goes with --dry-run's human format (shell and json are "
+                                                "complete already)")
     inputs = common.load_run_inputs(args)
     if args.dry_run:
         return dry_run(inputs.recipe, inputs.inventory, inputs.targets, inputs.overrides, env,
-                       args.format or "human", args.lock_wait, args.canary, args.serial)
+                       args.format or "human", args.lock_wait, args.canary, args.serial, verbose=args.verbose)
     if args.format is not None:
         raise InputError("--format", None, args.format, "only goes with --dry-run")
     planned = common.plan_all(inputs, env)
@@ -86,9 +101,23 @@ def rollout_header(targets: list[Target], canary: int | None, serial: int | None
     return lines
 
 
+def summary_width(env: Environment) -> int:
+    """The summary's line width: the terminal's (60 to 120 columns) when stdout is one, else 100."""
+    import os
+
+    if env.stdout_is_terminal:
+        try:
+            columns = os.get_terminal_size(env.stdout.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            columns = 0
+        if columns:
+            return max(60, min(120, columns))
+    return 100
+
+
 def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str],
             env: Environment, fmt: str = "human", lock_wait_s: int = 0, canary: int | None = None,
-            serial: int | None = None) -> ExitStatus:
+            serial: int | None = None, *, verbose: bool = False) -> ExitStatus:
     # The planner, not the engine: a dry-run imports nothing that connects (no paramiko), runs or draws.
     import secrets
 
@@ -101,7 +130,7 @@ def dry_run(recipe: Recipe, inventory: Inventory, targets: list[Target], overrid
     # render() returns 7-bit ASCII and redacts every secret of every target.
     text = view.render(fmt, recipe, inventory, targets, overrides, common.local_home(env),  # type: ignore[arg-type]
                        programs, run_id=secrets.token_hex(4), nonce=new_nonce(), lock_owner=run_owner(),
-                       lock_wait_s=lock_wait_s)
+                       lock_wait_s=lock_wait_s, verbose=verbose, width=summary_width(env))
     rollout = rollout_header(targets, canary, serial)
     if rollout:  # at the end of the header (its first blank line): `#` comments, in the shell format too
         head, blank, rest = text.partition("\n\n")

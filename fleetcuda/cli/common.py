@@ -203,7 +203,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
         console.print("[magenta]interrupted[/]: what had run, and what was stopped on each target:")
         for line in engine_results_snapshot(engine, inputs.targets):
             console.print(f"  {printable(line)}", markup=False, highlight=False)  # its log's words: data
-    code = exit_code(results)
+    code = exit_code(results, detailed=mode == "check" and getattr(args, "detailed_exitcode", False))
     info = RunInfo(mode=mode, recipe_path=recipe.path, recipe_name=recipe.name, inventory_path=inventory.path,
                    started_at=started, finished_at=env.clock(), exit_code=code, run_dir=str(run_dir))
     if mode == "verify" and args.format == "table":
@@ -222,7 +222,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
                 write_atomically(path, text, mode=0o644 if fmt == "prometheus" else 0o600)
         except OSError as exc:
             env.say(f"fleetcuda: could not write the {fmt} report to {path}: {exc}")
-            code = ExitStatus.FAILED if code == ExitStatus.OK else code
+            code = ExitStatus.FAILED if code in (ExitStatus.OK, ExitStatus.WOULD_CHANGE) else code
     if mode != "check" and not getattr(args, "no_history", False):
         try:
             record(env.history_path, info, results, on_error=lambda m: env.say(f"fleetcuda: warning: {m}"))

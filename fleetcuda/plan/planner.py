@@ -69,6 +69,7 @@ class PlannedStep:
     shared: SharedPlan | None = None
     # `on: host` for a target in a container: its commands run on the host (host_chain), not in the container.
     on_host: bool = False
+    summary: str = ""  # what it does, in an operator's words (its kind's describe()): what --check says would run
 
 
 @dataclass(frozen=True)
@@ -328,7 +329,7 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
             planned, check=cmd(scripts.check), apply=cmd(apply), verify=cmd(scripts.verify),
             expect=scripts.expect or step.description or "exit 0", shared=shared,
             pre_probe=inv(pre) if pre is not None else None, verify_probe=inv(post) if post is not None else None,
-            on_host=on_host))
+            on_host=on_host, summary=step.describe(ctx)))
     return Plan(target, MappingProxyType(dict(values)), tuple(steps), unresolved=tuple(pending_facts(recipe, values)),
                 home=home or home_of(target), secrets=tuple(sorted(secrets.values, key=len, reverse=True)),
                 run_id=run_id, nonce=nonce)

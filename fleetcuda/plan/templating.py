@@ -44,6 +44,18 @@ class TemplateError(ValueError):
     pass
 
 
+class Unread(str):
+    """A value known only from the target at run time (an `auto` fact not read yet), as the dry-run shows it:
+    `<name>`, and `<name|filter>` through a filter (cuda-nvcc-<cuda_version|dashed>), never `auto`."""
+
+    def __new__(cls, name: str) -> Unread:
+        made = super().__new__(cls, f"<{name}>")
+        made.name = name
+        return made
+
+    name: str
+
+
 def references(text: str) -> set[str]:
     return {m.group(1) for m in _REF.finditer(text)}
 
@@ -56,7 +68,7 @@ def _value(m: re.Match[str], values: Mapping[str, str]) -> str:
     if filt:
         if filt not in FILTERS:
             raise TemplateError(f"unknown filter {filt!r} (known: {', '.join(sorted(FILTERS))})")
-        value = FILTERS[filt](value)
+        value = f"<{value.name}|{filt}>" if isinstance(value, Unread) else FILTERS[filt](value)
     return value
 
 

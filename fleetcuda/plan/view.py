@@ -7,7 +7,13 @@ then either the cached wheel's transfer and install, or the build and the wheel'
 the lock refresh while a step runs long, the lock release, and the removal of what was staged on a host.
 
 Formats:
-- `human`: per target the hop chain and the environment once, then every round trip as a numbered block
+- `human` (the default, `apply --dry-run`): a summary to review, one screen per plan (`_summary`): per target
+  how it is reached and the environment once, what is read from it at run time (`<name>`, see
+  templating.Unread), then per step its kind's `describe()` in an operator's words with values resolved, and
+  its env, satisfied_if, retries and timeout; targets with equal summaries are one group; the programs sent,
+  by name and digest. Lines are wrapped at spaces (`wrap_words`) to `width`.
+- `human` with `verbose=True` (`--verbose`): per target the hop chain and the environment once, then every
+  round trip as a numbered block
   of the raw script (what the target's bash reads: its `name=value` prologue, then the script), with
   its timeout, label, retries and what it proves. Long programs given in `programs` are shown once, in a
   section at the end, and referred to as `<program NAME sha256:<12 hex>>` where scripts contain them.
@@ -101,7 +107,7 @@ from fleetcuda.plan.planner import (
     vmid_of,
 )
 from fleetcuda.plan.recipe import Recipe
-from fleetcuda.redact import Redactor
+from fleetcuda.redact import URL_CREDENTIALS, Redactor
 from fleetcuda.run.locks import LOCK_REFRESH_S, TargetLock
 
 Format = Literal["human", "shell", "json"]
@@ -646,6 +652,186 @@ def _block(text: str, indent: str = "    ") -> list[str]:
     return out
 
 
+# -- summary: the default human view, one screen per plan -------------------------------------------------
+
+SUMMARY_WIDTH = 100
+
+
+NBSP = "\x00"  # wrap_words: a space no line ends at (ascii_line has escaped every NUL of the values before)
+
+
+def wrap_words(first: str, text: str, more: str, width: int = SUMMARY_WIDTH) -> list[str]:
+    """`first + text` wrapped at spaces (not at NBSP) into lines of at most `width`, continuation lines behind
+    `more`. A word longer than a whole line is cut after its last `:` that fits (else `,`, else `/`), else where
+    it must."""
+    lines: list[str] = []
+    line = first
+    fresh = True  # nothing but the prefix on `line` yet
+    for word in text.split(" "):
+        candidate = line + ("" if fresh else " ") + word
+        if len(candidate) <= width or fresh and len(line) + len(word) <= width:
+            line, fresh = candidate, False
+            continue
+        if not fresh:
+            lines.append(line)
+            line, fresh = more, True
+        while len(line) + len(word) > width:  # a word no line holds (a long PATH): cut after a `:`, `,` or `/`
+            room = max(1, width - len(line))
+            cut = next((word.rfind(sep, 0, room) + 1 for sep in ":,/" if word.rfind(sep, 0, room) > 0), room)
+            lines.append(line + word[:cut])
+            word, line = word[cut:], more
+        line, fresh = line + word, False
+    lines.append(line)
+    return [ln.replace(NBSP, " ") for ln in lines]
+
+
+def display_values(view: TargetView) -> dict[str, str]:
+    """The plan's values with every `auto` fact not yet read as `<name>` (what it reads as in the summary)."""
+    from fleetcuda.plan.templating import Unread
+
+    return {**view.plan.values, **{name: Unread(name) for name in view.pending}}
+
+
+def describe_step(recipe: Recipe, view: TargetView, index: int) -> list[str]:
+    """One step of the summary: what it does (its kind's describe()), then how apply treats it, as phrases."""
+    from fleetcuda.plan.templating import render as render_raw
+    from fleetcuda.steps import StepContext
+
+    spec, planned = recipe.steps[index], view.plan.steps[index]
+    if planned.skipped:
+        return [f"skipped ({planned.skipped})"]
+    values = display_values(view)
+    python = "python3" if spec.on == "host" else view.target.python
+    what = [spec.describe(StepContext(values, python, recipe.name))]  # type: ignore[attr-defined]
+    keyrings = [st.name for st, p in zip(recipe.steps[:index], view.plan.steps, strict=False)
+                if st.kind == "apt_keyring" and not p.skipped]
+    if spec.kind == "apt_packages" and keyrings:
+        what[0] += f"; apt's sources include the repo of step {', '.join(keyrings)}"
+    notes: list[str] = []
+    if spec.description and spec.kind in ("shell", "program"):  # kinds whose fields say little of what they prove
+        notes.append(" ".join(spec.description.split()))
+    if spec.on == "host" and spec.kind != "gpu_passthrough":
+        notes.append("runs on the host, through its login shell")
+    if spec.env:
+        notes.append("env " + " ".join(f"{k}={render_raw(str(v), values)}" for k, v in spec.env.items()))
+    if spec.satisfied_if:
+        notes.append("no change needed if: " + " ".join(render_raw(spec.satisfied_if, values).split()))
+    tries = [f"apply retried up to {planned.retries} time(s)"] if planned.retries and planned.apply is not None else []
+    if spec.timeout != 1800:
+        tries.append(f"timeout {spec.timeout} s")
+    if tries:
+        notes.append("; ".join(tries))
+    return what + notes
+
+
+def _hop_summary(target: Target) -> str:
+    words: list[str] = []
+
+    def ssh(hop: SshHop) -> None:
+        if hop.jump is not None:
+            ssh(hop.jump)
+        words.append(f"ssh {hop.user}@{hop.address}" + (f" -p {hop.port}" if hop.port != 22 else ""))
+
+    if target.chain.ssh is not None:
+        ssh(target.chain.ssh)
+    else:
+        words.append("this machine")
+    if target.chain.pct is not None:
+        pct = "pct" if target.chain.pct.pct == DEFAULT_PCT else target.chain.pct.pct
+        words.append(("sudo -n " if target.chain.pct.sudo else "") + f"{pct} exec {target.chain.pct.vmid}")
+    return " -> ".join(words)
+
+
+def _ssh_summary(target: Target) -> str | None:
+    hop = target.chain.ssh
+    if hop is None:
+        return None
+    key = f"key {hop.identity_file}" if hop.identity_file else "the default keys"
+    known = f"host keys only from {hop.known_hosts}" if hop.known_hosts else "host keys from the default files"
+    return f"ssh to {target.host}: {key}, {known}"
+
+
+def _summary_body(recipe: Recipe, view: TargetView) -> list[tuple[str, str, str]]:
+    """A target's plan in the summary, as (first prefix, text, continuation prefix): everything but its hops,
+    so that targets with equal bodies are one group."""
+    out: list[tuple[str, str, str]] = []
+    env = " ".join(f"{k}={v}" for k, v in view.environment.items())
+    out.append(("  ", f"environment: env -i {env}", "    "))
+    if view.pending:
+        out.append(("  ", "read from the target at run time: " + ", ".join(f"<{n}>" for n in view.pending)
+                    + " (the recipe's facts; --var NAME=VALUE sets one)", "    "))
+    out.append(("  ", "all checks in one round trip, under the target's lock; a step's apply runs only where its "
+                "check failed, then its verify", "    "))
+    total = len(view.plan.steps)
+    width = len(str(total))
+    for step in view.plan.steps:
+        lines = describe_step(recipe, view, step.index)
+        head = f"  {step.index + 1:>{width}} {step.name}: "
+        indent = " " * (len(f"  {total}") + 3)
+        out.append((head, lines[0], indent))
+        out += [(indent, text, indent + "  ") for text in lines[1:]]
+    return out
+
+
+def _summary(recipe: Recipe, inventory: Inventory, views: list[TargetView], programs: Mapping[str, str],
+             width: int = SUMMARY_WIDTH) -> str:
+    forms = _program_forms(programs)
+    used: list[str] = []
+    for v in views:  # the programs apply sends, in the order it first sends them
+        for send in v.sends:
+            if send.command is not None:
+                _with_references(parse_command(send.command).script, forms, used)
+    n = len(views)
+    out = [*wrap_words("# ", ascii_line(f"fleetcuda apply {recipe.path} --dry-run: {n} target(s) from "
+                                        f"{inventory.path}; nothing was sent"), "#   ", width),
+           *wrap_words("# ", "--verbose: every command in full; --format shell: lines to paste; --format json: data",
+                       "#   ", width)]
+    groups: dict[tuple[str, ...], list[TargetView]] = {}
+    bodies: dict[tuple[str, ...], list[tuple[str, str, str]]] = {}
+    for v in views:
+        redact = Redactor(v.plan.secrets)
+
+        def hide(text: str, redact: Redactor = redact) -> str:
+            # A password in a URL makes the whole value a secret (planner.Secrets), shown nowhere: the whole URL.
+            def word(w: str) -> str:
+                name, eq, value = w.partition("=")
+                keep = name + eq if eq and not URL_CREDENTIALS.search(name) and name.isidentifier() else ""
+                return keep + "***" if URL_CREDENTIALS.search(w) else w
+
+            return redact(" ".join(word(w) for w in text.split(" ")))
+
+        body = [(a, ascii_line(hide(text)), c) for a, text, c in _summary_body(recipe, v)]
+        key = tuple(text for _, text, _ in body)
+        groups.setdefault(key, []).append(v)
+        bodies[key] = body
+    for key, members in groups.items():
+        out.append("")
+
+        def name(t: Target) -> str:
+            return t.id + (f" ({t.name})" if t.name else "")
+
+        if len(members) == 1:
+            t = members[0].target
+            out += wrap_words("", ascii_line(f"{name(t)}: {_hop_summary(t)}"), "    ", width)
+        else:
+            out += wrap_words("", ascii_line(", ".join(m.target.id for m in members) + ": same plan"), "    ", width)
+            for m in members:
+                out += wrap_words("  ", ascii_line(f"{name(m.target)}: {_hop_summary(m.target)}"), "      ", width)
+        seen: set[str] = set()
+        for m in members:
+            said = _ssh_summary(m.target)
+            if said is not None and said not in seen:
+                seen.add(said)
+                out += wrap_words("  ", ascii_line(said), "    ", width)
+        for first, text, more in bodies[key]:
+            out += wrap_words(first, text, more, width)
+    if used:
+        out.append("")
+        out += wrap_words("", "programs sent, by sha256 (--verbose shows them): " + ", ".join(
+            f"{ascii_line(u)}{NBSP}{_digest(programs[u])[:12]}" for u in used), "  ", width)
+    return "\n".join(out) + "\n"
+
+
 # -- shell -----------------------------------------------------------------------------------------------
 
 def _shell(recipe: Recipe, inventory: Inventory, views: list[TargetView]) -> str:
@@ -786,7 +972,8 @@ def _json_target(view: TargetView, forms: list[tuple[str, str, str]], used: list
 
 def render(fmt: Format, recipe: Recipe, inventory: Inventory, targets: list[Target], overrides: dict[str, str],
            home: Callable[[Target], str | None], programs: Mapping[str, str] = {}, run_id: str | None = None,
-           nonce: str | None = None, *, lock_owner: str = DEFAULT_LOCK_OWNER, lock_wait_s: int = 0) -> str:
+           nonce: str | None = None, *, lock_owner: str = DEFAULT_LOCK_OWNER, lock_wait_s: int = 0,
+           verbose: bool = False, width: int = SUMMARY_WIDTH) -> str:
     """The dry-run of `apply` for these targets, as `fmt` (see the module docstring). `home` gives a target's
     HOME where the planner's default is wrong (a local host: this user's); `programs` maps a name to a long
     program's exact text as scripts contain it; `run_id`, `nonce`, `lock_owner` and `lock_wait_s` are apply's
@@ -801,4 +988,6 @@ def render(fmt: Format, recipe: Recipe, inventory: Inventory, targets: list[Targ
         return _shell(recipe, inventory, views)
     if fmt == "json":
         return _json(recipe, inventory, views, programs, run)
-    return _human(recipe, inventory, views, programs, run)
+    if verbose:
+        return _human(recipe, inventory, views, programs, run)
+    return _summary(recipe, inventory, views, programs, width)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fleetcuda.results import StepResult, TargetResult
 
 STATUS_STYLE = {
-    "ok": "green", "changed": "yellow", "skipped": "dim", "would-change": "cyan", "drift": "red",
+    "ok": "green", "changed": "yellow", "skipped": "dim", "would-change": "cyan", "unknown": "blue", "drift": "red",
     "failed": "bold red", "unreachable": "bold red", "interrupted": "magenta", "locked": "bold red",
     "not-run": "yellow",
 }
@@ -132,7 +132,7 @@ class RichReporter(Reporter):
             self.rows[target]["last"] = line.strip()[:200]
 
     def step_finished(self, target: str, result: StepResult) -> None:
-        if result.status in ("changed", "failed", "drift", "would-change"):
+        if result.status in ("changed", "failed", "drift", "would-change", "unknown"):
             style = STATUS_STYLE.get(result.status, "")
             self.console.print(Text.assemble(f"{target} {result.name}: ", (str(result.status), style),
                                              f" ({result.detail}, {result.duration:.1f}s)"), highlight=False)
@@ -169,9 +169,13 @@ def summary(results: list[TargetResult], console: Console) -> None:
                     console.print(f"    expected: {s.expected}", markup=False, highlight=False)
                 for line in s.tail:
                     console.print(f"    {line}", markup=False, highlight=False)
-            elif s.status == "would-change" and s.would_run:
-                console.print(f"{r.target}: step {s.name} would run:", highlight=False)
-                console.print(f"    {s.would_run}", markup=False, highlight=False, soft_wrap=True)
+            elif s.status == "would-change":
+                # What it would do, in words (the step kind's summary; --dry-run --verbose: every command).
+                console.print(Text.assemble(f"{r.target}: step ", (s.name, "bold"), " would change: ",
+                                            s.would_run or s.detail), highlight=False)
+            elif s.status == "unknown":
+                console.print(Text.assemble(f"{r.target}: step ", (s.name, "bold"), " ",
+                                            ("unknown", STATUS_STYLE["unknown"]), f": {s.detail}"), highlight=False)
         if r.error and r.status != "not-run":
             console.print(Text.assemble((r.target, "bold red"), f": {r.status}: {r.error}"), highlight=False)
         if r.status in ("failed", "unreachable", "drift", "interrupted", "locked") and r.log:

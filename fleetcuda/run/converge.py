@@ -1,5 +1,10 @@
 """One target's steps in order: check -> (satisfied: ok) or apply -> verify -> changed; --check stops at
-would-change, verify mode only verifies (ok or drift). A failed step stops its target's later steps."""
+would-change, verify mode only verifies (ok or drift). A failed step stops its target's later steps.
+
+Under --check nothing changes, so a check after a step that would change may fail only because that change
+has not been made (nvcc not installed yet): such a check is `unknown` (depends on the steps that would change),
+never failed, and the preview goes on. A check that times out, or fails with no earlier step to change, is a
+real failure."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class Converger:
         # Every read-only check of the target in one round trip; once a step has changed something,
         # later checks run on their own again, since their answers may have changed too.
         batch = batched_checks(self.ctx, self.locks, plan, channel)
+        would_change: list[str] = []  # --check: the steps so far that would change
         for step in plan.steps:
             if self.ctx.cancel.is_set():
                 raise Interrupted()
@@ -44,7 +50,9 @@ class Converger:
             elif self.ctx.mode == "verify":
                 sr = self._verify_only(channel, step, pre)
             else:
-                sr = self._converge(channel, step, pre)
+                sr = self._converge(channel, step, pre, would_change)
+                if sr.status == StepStatus.WOULD_CHANGE:
+                    would_change.append(step.name)
             sr = self._redacted(channel, sr, step.expect)
             result.steps.append(sr)
             self.ctx.reporter.step_finished(tid, sr)
@@ -53,6 +61,19 @@ class Converger:
             if sr.status == StepStatus.CHANGED:
                 batch = {}
 
+    def _not_satisfied(self, step: PlannedStep, phase: str, res: RunResult, start: float, why: str,
+                       would_change: list[str]) -> StepResult:
+        """An assertion not met: failed, but under --check after steps that would change it is unknown (its
+        answer may be theirs to change). A timeout is no answer: it stays a failure."""
+        if self.ctx.mode != "check" or not would_change or timed_out(res):
+            return failed(step, phase, res, start, why)
+        last = would_change[-3:]  # the nearest three: a long recipe's whole list says no more
+        names = ", ".join(last[:-1]) + (" and " if len(last) > 1 else "") + last[-1]
+        if len(would_change) > len(last):
+            names += f" (and {len(would_change) - len(last)} earlier step(s))"
+        return StepResult(step.name, StepStatus.UNKNOWN, time.monotonic() - start,
+                          f"depends on {names}, which would change", tail(res.output), found=found(res.output))
+
     @staticmethod
     def _redacted(channel: TargetChannel, sr: StepResult, expect: str) -> StepResult:
         """Everything a result carries into reports and history, with the target's secrets masked."""
@@ -60,7 +81,8 @@ class Converger:
         return replace(sr, detail=r(sr.detail), tail=[r(t) for t in sr.tail], expected=r(expect), found=r(sr.found),
                        would_run=r(sr.would_run) if sr.would_run is not None else None)
 
-    def _converge(self, channel: TargetChannel, step: PlannedStep, pre: RunResult | None) -> StepResult:
+    def _converge(self, channel: TargetChannel, step: PlannedStep, pre: RunResult | None,
+                  would_change: list[str]) -> StepResult:
         target = channel.target
         start = time.monotonic()
         if step.check is not None or (pre is not None and step.apply is None):
@@ -69,18 +91,19 @@ class Converger:
                 return StepResult(step.name, StepStatus.OK, time.monotonic() - start, "already satisfied")
             maybe_unreachable(res, target)
             if step.apply is None:
-                return failed(step, "check", res, start, "not satisfied, and the step has nothing to apply")
+                return self._not_satisfied(step, "check", res, start, "not satisfied, and the step has nothing to "
+                                           "apply", would_change)
         if step.apply is None:
             assert step.verify is not None
             res = channel.exec(step.name, "verify", step.verify, step.timeout)
             maybe_unreachable(res, target)
             if res.rc == 0:
                 return StepResult(step.name, StepStatus.OK, time.monotonic() - start, "verified")
-            return failed(step, "verify", res, start, "verification failed")
+            return self._not_satisfied(step, "verify", res, start, "verification failed", would_change)
         if self.ctx.mode == "check":
             return StepResult(step.name, StepStatus.WOULD_CHANGE, time.monotonic() - start,
-                              "check not satisfied", tail(res.output),
-                              would_run=step.apply.display)
+                              "check not satisfied", tail(res.output), would_run=step.summary or step.apply.display,
+                              found=found(res.output))
         done = "applied and verified"
         if step.shared is not None:
             res, done = self.shared.apply(channel, step)

@@ -9,7 +9,7 @@ from pydantic import Field, StringConstraints
 
 from fleetcuda.plan.command import quote
 from fleetcuda.remote import shell_text
-from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of, lines_of
 
 PACKAGE = r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$"
 # Wait for dpkg's lock (unattended-upgrades) for a bounded time instead of failing or breaking it.
@@ -68,6 +68,14 @@ class AptKeyringStep(StepSpec):
         ])
         return Scripts(done, apply, done, expect=f"{self.package} installed, {ctx.raw(self.keyring)} present")
 
+    def describe(self, ctx: StepContext) -> str:
+        distro = ctx.raw(self.distro)
+        auto = distro == "auto"
+        return (f"apt: keyring {self.package} ({ctx.raw(self.keyring)}): {ctx.raw(self.filename)} from "
+                f"{'<distro>' if auto else distro}/<arch>/ of {ctx.raw(self.repo_url).rstrip('/')}, then apt-get "
+                "update (" + ("<distro> from /etc/os-release, " if auto else "") + "<arch> from uname -m"
+                + _extra(self.verify) + ")")
+
 
 class AptPackagesStep(StepSpec):
     kind: Literal["apt_packages"]
@@ -96,3 +104,13 @@ class AptPackagesStep(StepSpec):
             f"{apt} install -y --no-install-recommends --reinstall " + " ".join(quote(p) for p in packages),
         ]))
         return Scripts(done, apply, done, expect="installed: " + ", ".join(packages))
+
+    def describe(self, ctx: StepContext) -> str:
+        how = ["apt-get update first"] if self.update else []
+        how.append(f"waits up to {ctx.raw(str(self.lock_timeout))} s for dpkg's lock")
+        packages = " ".join(ctx.raw(p) for p in self.packages)
+        return f"apt: install {packages} (" + "; ".join(how) + _extra(self.verify) + ")"
+
+
+def _extra(verify: str | None) -> str:
+    return f"; and its verify ({lines_of(verify)})" if verify else ""

@@ -48,6 +48,11 @@ class StepSpec(BaseModel):
         default="container", description="where check/apply/verify run: in the container, or on its Proxmox host "
                                          "(the same machine for a target without containers)")
 
+    def describe(self, ctx: StepContext) -> str:
+        """What the step does, in an operator's words, from its own fields with `ctx`'s values (the dry-run's
+        summary: plan/view.py). A value read from the target at run time reads as `<name>` there."""
+        return f"{self.kind}"
+
 
 @dataclass
 class StepContext:
@@ -112,6 +117,12 @@ class Scripts:
     path_prepend: list[str] = field(default_factory=list)
     expect: str = ""  # what the check proves, in words
     shared: SharedBuild | None = None
+
+
+def lines_of(script: str | None) -> str:
+    """`N lines`, for summaries that name a script without showing it."""
+    n = len((script or "").strip("\n").splitlines())
+    return f"{n} line{'s' if n != 1 else ''}"
 
 
 def all_of(*conditions: str | None) -> str | None:

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from fleetcuda.plan.command import quote
-from fleetcuda.steps.base import EnvName, Scripts, StepContext, StepSpec, all_of
+from fleetcuda.steps.base import EnvName, Scripts, StepContext, StepSpec, all_of, lines_of
 
 
 class EnvFileStep(StepSpec):
@@ -54,3 +54,11 @@ class EnvFileStep(StepSpec):
         expect = f"{path} exports " + ", ".join([*(f"{k}={v}" for k, v in exports.items()),
                                                  *(f"PATH+={p}" for p in prepend)])
         return Scripts(done, apply, done, exports=exports, path_prepend=prepend, expect=expect)
+
+    def describe(self, ctx: StepContext) -> str:
+        path = ctx.raw(self.path) if self.path else f"/etc/profile.d/{self.name}.sh"
+        values = [f"{k}={ctx.raw(v)}" for k, v in self.vars.items()]
+        if self.path_prepend:
+            values.append("PATH=" + ":".join(ctx.raw(p) for p in self.path_prepend) + ":$PATH")
+        return (f"file: {path} (0644, replaced atomically): " + " ".join(values)
+                + "; later steps get them too" + (f"; and its verify ({lines_of(self.verify)})" if self.verify else ""))

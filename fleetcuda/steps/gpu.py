@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import Field
 
 from fleetcuda.plan.command import quote
-from fleetcuda.remote import python_heredoc, shell_text
+from fleetcuda.remote import program, python_heredoc, shell_text
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec
 
 # The host's own Python (the program needs nothing beyond its standard library): Proxmox VE ships one.
@@ -53,3 +53,12 @@ class GpuPassthroughStep(StepSpec):
                                       "usable; passed through in the container's config; driver supports CUDA "
                                       + (cuda or "(not checked)"))
         return Scripts(None, None, verify, expect=expect)
+
+    def describe(self, ctx: StepContext) -> str:
+        cuda = ctx.raw(self.cuda_version).strip()
+        devices = ctx.raw(str(self.require_devices).lower())
+        required = "required" if devices.strip().lower() not in ("", "0", "false", "no", "off", "none") else \
+            "said, not required"
+        return (f"program: gpu_passthrough (sha256:{program('gpu_passthrough').sha256[:12]}) on the host, an "
+                "assertion: host driver = the container's libcuda/libnvidia-ml; /dev/nvidia* usable "
+                f"({required}); passed through in the container's config; a driver for CUDA {cuda or '(any)'}")

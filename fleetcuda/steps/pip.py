@@ -15,7 +15,7 @@ from pydantic import Field, StringConstraints
 
 from fleetcuda.plan.command import quote
 from fleetcuda.remote import python_heredoc
-from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, all_of, lines_of
 
 REQUIREMENT = re.compile(
     r"^(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)(?:\[[A-Za-z0-9,._-]+\])?"
@@ -25,6 +25,24 @@ MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 def truthy(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off", "none")
+
+
+def sources(ctx: StepContext, index_url: str | None, find_links: str | None, no_index: bool | str) -> str:
+    """Where pip or uv looks for packages, in words (pip_install and sdist_build)."""
+    links = ctx.raw(find_links) if find_links else ""
+    index = ctx.raw(index_url) if index_url else ""
+    only = truthy(ctx.raw(no_index)) if isinstance(no_index, str) else no_index
+    where = ("the wheelhouse " if links.startswith("/") else "the links of ") + links if links else ""
+    if only:
+        return f"only from {where}" if where else "from no index (--no-index) and no wheelhouse"
+    index = f"the index {index}" if index else "PyPI"
+    return f"from {where}, else {index}" if where else f"from {index}"
+
+
+def installer(ctx: StepContext, uv: str | None) -> str:
+    """Which installer apply runs: uv when the `uv` value names an executable there, pip otherwise."""
+    path = ctx.raw(uv) if uv else ctx.values.get("uv", "")
+    return f"uv ({path}) if there, else pip" if path else "pip"
 
 
 def check_script(python: str, wanted: list[str], imports: list[str]) -> str:
@@ -110,3 +128,17 @@ class PipInstallStep(StepSpec):
         ])
         expect = ", ".join(wanted) + "".join(f"; import {m}" for m in self.imports)
         return Scripts(done, apply, done, expect=expect)
+
+    def describe(self, ctx: StepContext) -> str:
+        flags = [f for f, on in (("--no-build-isolation", self.no_build_isolation), ("--no-cache", self.no_cache),
+                                 ("--no-binary", self.no_binary), ("--no-deps", self.no_deps)) if on]
+        python = ctx.raw(self.python) if self.python else ""
+        extra = ctx.raw(self.extra_index_url) if self.extra_index_url else ""
+        parts = [installer(ctx, self.uv) + (f" into {python}" if python else ""),
+                 *([f"extra index {extra}"] if extra else []), *flags, "no dependency reinstalled"]
+        if self.imports:
+            parts.append("check: the pins and import " + ", ".join(self.imports))
+        if self.verify:
+            parts.append(f"and its verify ({lines_of(self.verify)})")
+        return (f"pip: {' '.join(ctx.raw(p) for p in self.packages)} "
+                f"{sources(ctx, self.index_url, self.find_links, self.no_index)} ({'; '.join(parts)})")

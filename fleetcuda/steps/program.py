@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from fleetcuda.plan.command import quote
-from fleetcuda.remote import PROGRAMS, python_heredoc
+from fleetcuda.remote import PROGRAMS, program, python_heredoc
 from fleetcuda.steps.base import Scripts, StepContext, StepSpec
 
 
@@ -41,3 +41,10 @@ class ProgramStep(StepSpec):
         args = " ".join(quote(ctx.raw(a)) for a in self.args)
         verify = python_heredoc(quote(python), self.program, args)
         return Scripts(None, None, verify, expect=self.description or f"{self.program} exits 0")
+
+    def describe(self, ctx: StepContext) -> str:
+        python = ctx.raw(self.python) if self.python else ""
+        args = " ".join(quote(ctx.raw(a)) for a in self.args)
+        return (f"program: {self.program} (sha256:{program(self.program).sha256[:12]})"
+                + (f" run by {python}" if python else "") + (f" with {args}" if args else "")
+                + ", an assertion: exit 0 or the step fails")

@@ -18,8 +18,8 @@ from pydantic import Field, StringConstraints
 from fleetcuda.plan.command import quote
 from fleetcuda.remote import program, python_heredoc, shell_text
 from fleetcuda.remote.framing import PYTHON_NONCE, frame
-from fleetcuda.steps.base import INSTALL_VARS, Scripts, SharedBuild, StepContext, StepSpec, all_of
-from fleetcuda.steps.pip import MODULE, check_script, truthy
+from fleetcuda.steps.base import INSTALL_VARS, Scripts, SharedBuild, StepContext, StepSpec, all_of, lines_of
+from fleetcuda.steps.pip import MODULE, check_script, installer, sources, truthy
 
 PACKAGE = r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$"
 VERSION = r"^[A-Za-z0-9.+!_-]+$"
@@ -191,3 +191,19 @@ class SdistBuildStep(StepSpec):
         shared = SharedBuild(self.package, version, fingerprint, "\n".join(lines), install)
         return Scripts(check, "\n".join(lines), check, expect=expect + "; built for this target's ABI",
                        shared=shared)
+
+    def describe(self, ctx: StepContext) -> str:
+        archs = ctx.raw(self.cuda_archs).replace(" ", "")
+        built_for = {"upstream": "setup.py's own archs", "auto": "the GPUs present (nvidia-smi, else torch)"}.get(
+            archs, ", ".join(f"sm_{a}" for a in archs.split(",")))
+        share = truthy(ctx.raw(self.share)) if isinstance(self.share, str) else self.share
+        python = ctx.raw(self.python) if self.python else "the venv"
+        where = sources(ctx, self.index_url, self.find_links, self.no_index)
+        parts = [f"--no-build-isolation against {python}'s torch, no cache, {installer(ctx, self.uv)}",
+                 "built once per ABI fingerprint, other targets install its wheel" if share else
+                 "built on every target (share: false)"]
+        check = "check: installed" + "".join(f", imports {m}" for m in self.imports) + (
+            ", built for this ABI" if share else "")
+        return (f"build: {self.package} {ctx.raw(self.version)} (sdist {where}) for {built_for} ("
+                + "; ".join([*parts, check]) + (f"; and its verify ({lines_of(self.verify)})"
+                                                 if self.verify else "") + ")")

@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from fleetcuda.steps.base import Scripts, StepContext, StepSpec
+from fleetcuda.steps.base import Scripts, StepContext, StepSpec, lines_of
+
+SHOWN = 100  # the longest one-line script a summary shows whole
 
 
 class ShellStep(StepSpec):
@@ -28,3 +30,13 @@ class ShellStep(StepSpec):
             return ctx.shell(text) if text is not None else None
 
         return Scripts(render(self.check), render(self.apply), render(self.verify))
+
+    def describe(self, ctx: StepContext) -> str:
+        def said(phase: str, text: str) -> str:
+            # A one-line script is shown, its values in place (a summary to read, not to paste); a longer one counted.
+            line = ctx.raw(text.strip())
+            return f"{phase} `{line}`" if "\n" not in line and len(line) <= SHOWN else f"{phase} ({lines_of(text)})"
+
+        phases = (("check", self.check), ("apply", self.apply), ("verify", self.verify))
+        scripts = "; ".join(said(phase, text) for phase, text in phases if text is not None)
+        return ("shell: an assertion: " if self.apply is None else "shell: ") + scripts
