@@ -41,6 +41,8 @@ class Converger:
             pre = batch.get(step.index)
             if step.skipped:
                 sr = StepResult(step.name, StepStatus.SKIPPED, detail=step.skipped)
+            elif step.unplanned:
+                sr = _unplanned(step, result)
             elif self.ctx.mode == "verify":
                 sr = self._verify_only(channel, step, pre)
             else:
@@ -116,6 +118,16 @@ class Converger:
                               tail(res.output), found=found(res.output))
         return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", tail(res.output),
                           found=found(res.output))
+
+
+def _unplanned(step: PlannedStep, result: TargetResult) -> StepResult:
+    """A step that could not be planned with what the target's facts read: its own failure, unless an earlier
+    step already reported what is wrong (a preflight's drift in verify mode): then it is not run, and says why."""
+    earlier = next((s for s in result.steps if s.status in (StepStatus.DRIFT, StepStatus.FAILED)), None)
+    if earlier is not None:
+        return StepResult(step.name, StepStatus.SKIPPED, detail=f"not run: {earlier.name} found what to fix first "
+                          f"({step.unplanned})")
+    return StepResult(step.name, StepStatus.FAILED, detail=f"not planned: {step.unplanned}")
 
 
 def overall(steps: list[StepResult]) -> TargetStatus:
