@@ -83,3 +83,46 @@ def test_could_not_look_inside_is_unknown_with_its_reason_never_missing(tmp_path
     buf = io.StringIO()
     doctor.render({"pve/200": list(found.values())}, Console(file=buf, width=300))
     assert "missing" not in buf.getvalue() and "unknown" in buf.getvalue()
+
+
+APT_NO_DNS = "".join(
+    f"Err:{i} http://deb.debian.org/debian bookworm/main amd64 pkg{i} amd64 1.0\n"
+    f"  Temporary failure resolving 'deb.debian.org'\n" for i in range(10)) + "".join(
+    f"E: Failed to fetch http://deb.debian.org/debian/pool/main/p/pkg{i}.deb  Temporary failure resolving "
+    f"'deb.debian.org'\n" for i in range(10)) + (
+    "E: Unable to fetch some archives, maybe run apt-get update or try with --fix-missing?\n")
+PIP_TLS = ("WARNING: Retrying (Retry(total=4)) after connection broken by 'SSLError(SSLCertVerificationError(1, "
+           "'[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed'))': /simple/einops/\n"
+           "Could not fetch URL https://pypi.org/simple/einops/: There was a problem confirming the ssl certificate: "
+           "HTTPSConnectionPool(host='pypi.org', port=443): Max retries exceeded (Caused by SSLError(...))\n"
+           "ERROR: Could not find a version that satisfies the requirement einops (from versions: none)\n")
+PIP_REFUSED = ("WARNING: Retrying (Retry(total=4)) after connection broken by 'NewConnectionError('<...>: Failed to "
+               "establish a new connection: [Errno 111] Connection refused')': /simple/einops/\n"
+               "ERROR: Could not find a version that satisfies the requirement einops (from versions: none)\n")
+
+
+@pytest.mark.parametrize(("kind", "output", "said"), [
+    ("apt", APT_NO_DNS, "network (name resolution): cannot resolve the name of deb.debian.org"),
+    ("pip", PIP_TLS, "network (TLS): TLS to pypi.org failed"),
+    ("pip", PIP_REFUSED, "network (unreachable mirror): cannot reach its mirror (index)"),
+])
+def test_a_network_failure_is_said_in_one_line_and_not_retried(tmp_path: Path, kind: str, output: str,
+                                                               said: str) -> None:
+    from fleetcuda.connectors.fake import exit_with
+    from fleetcuda.results import StepStatus
+    from tests.run_support import Sleeps, log_of, make_engine
+
+    step = ("  - name: net\n    kind: apt_packages\n    packages: [g++]\n    retries: 2\n" if kind == "apt" else
+            "  - name: net\n    kind: pip_install\n    packages: [einops]\n    retries: 2\n")
+    sleeps = Sleeps()
+    engine, fake = make_engine(tmp_path, step, inventory="hosts:\n  h:\n    kind: local\n    venv: /v\n",
+                               sleep=sleeps)
+    fake.on(step="net", phase="check", reply=exit_with(1))
+    fake.on(step="net", phase="apply", reply=exit_with(100 if kind == "apt" else 1, output))
+    [result] = engine.run()
+    [sr] = result.steps
+    assert sr.status == StepStatus.FAILED
+    assert said in sr.detail and sr.detail.endswith("; not retried"), sr.detail
+    assert len(sr.tail) <= 3, sr.tail  # the distinct lines it rests on, not 20 raw ones
+    assert len(fake.calls_for(step="net", phase="apply")) == 1 and sleeps.waits == []
+    assert "retrying" not in log_of(engine, "h")

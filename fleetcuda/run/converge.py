@@ -11,7 +11,15 @@ from fleetcuda.plan.planner import Plan, PlannedStep
 from fleetcuda.results import StepResult, StepStatus, TargetResult, TargetStatus
 from fleetcuda.run.batching import batched_checks
 from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel
-from fleetcuda.run.diagnosis import failed, found, free_space, maybe_unreachable, tail, timed_out
+from fleetcuda.run.diagnosis import (
+    failed,
+    found,
+    free_space,
+    maybe_unreachable,
+    network_failure,
+    tail,
+    timed_out,
+)
 from fleetcuda.run.locking import LockKeeper
 from fleetcuda.run.retry import Sleep, apply_with_retries
 from fleetcuda.run.shared import SharedBuilds
@@ -94,6 +102,10 @@ class Converger:
             result = failed(step, "apply", res, start, f"apply failed ({why})")
             if "No space left on device" in res.output:
                 result.detail += "; " + free_space(channel, res.output)
+            elif (net := network_failure(res.output)) is not None:
+                # One line that says it, and the distinct lines it rests on (apt repeats them per file).
+                result.detail += "; " + net[0]
+                result.tail = net[1]
             return result
         after = step.verify or step.check
         assert after is not None
