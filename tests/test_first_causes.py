@@ -126,3 +126,21 @@ def test_a_network_failure_is_said_in_one_line_and_not_retried(tmp_path: Path, k
     assert len(sr.tail) <= 3, sr.tail  # the distinct lines it rests on, not 20 raw ones
     assert len(fake.calls_for(step="net", phase="apply")) == 1 and sleeps.waits == []
     assert "retrying" not in log_of(engine, "h")
+
+
+@pytest.mark.parametrize(("script", "said"), [
+    ("echo 'Traceback (most recent call last):'; echo '  File \"setup.py\", line 9, in <module>'; "
+     "echo \"ModuleNotFoundError: No module named 'torch'\"; echo 'error: metadata-generation-failed'; exit 1",
+     "the control machine's Python ({py}) lacks torch: preparing the sdist causal-conv1d==1.7.0 runs its setup.py"),
+    ("echo '{py}: No module named pip' >&2; exit 1", "the control machine's Python ({py}) has no pip"),
+])
+def test_wheelhouse_build_says_what_the_control_machine_lacks(cli: Cli, tmp_path: Path, script: str,
+                                                               said: str) -> None:
+    py = tmp_path / "python"
+    # A stand-in interpreter: `-m pip download` behaves as pip does on a machine without torch (or pip).
+    py.write_text("#!/bin/sh\ncase \"$*\" in *--no-binary*) " + script.format(py=py) + " ;; esac\nexit 0\n")
+    py.chmod(0o755)
+    r = cli("wheelhouse", "build", str(FLAGSHIP), str(tmp_path / "wh"), "--python", str(py))
+    assert r.code == 1, r
+    assert said.format(py=py) in r.err, r.err
+    assert "push" not in r.err, r.err
