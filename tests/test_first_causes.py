@@ -144,3 +144,32 @@ def test_wheelhouse_build_says_what_the_control_machine_lacks(cli: Cli, tmp_path
     assert r.code == 1, r
     assert said.format(py=py) in r.err, r.err
     assert "push" not in r.err, r.err
+
+
+@pytest.mark.parametrize("argv", [
+    ["apply", str(FLAGSHIP), "--dry-run"], ["verify", str(FLAGSHIP)], ["doctor"], ["trust", "pve1"],
+    ["export", "ansible", str(FLAGSHIP), "-o", "out"],
+])
+def test_without_an_inventory_it_exits_2_saying_where_one_comes_from(cli: Cli, tmp_path: Path, argv: list[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """No -i, no $FLEETCUDA_INVENTORY, no ~/.config/fleetcuda/inventory.yaml: exit 2, never the docs' example
+    (whose 10.1.2.6 may exist in someone's network). Run from the repository, where that example is."""
+    monkeypatch.chdir(ROOT)
+    cli.tmp = ROOT  # the command's cwd: the example inventory is right there
+    r = cli(*argv)
+    assert r.code == 2, r
+    assert "pass -i FILE, set FLEETCUDA_INVENTORY, or write" in r.err, r.err
+    assert str(ROOT / "home" / ".config" / "fleetcuda" / "inventory.yaml") in r.err, r.err  # the env's home
+    assert "10.1.2.6" not in r.out + r.err
+
+
+def test_the_inventory_comes_from_the_variable_then_the_default_path(cli: Cli, tmp_path: Path) -> None:
+    inv = "hosts:\n  box:\n    kind: local\n"
+    default = tmp_path / "home" / ".config" / "fleetcuda" / "inventory.yaml"
+    default.parent.mkdir(parents=True)
+    write(default, inv.replace("box", "fromdefault"))
+    r = cli("apply", str(FLAGSHIP), "--dry-run", "--format", "json")
+    assert r.code == 0 and "fromdefault" in r.out, r
+    cli.environ["FLEETCUDA_INVENTORY"] = str(write(tmp_path / "env.yaml", inv.replace("box", "fromvariable")))
+    r = cli("apply", str(FLAGSHIP), "--dry-run", "--format", "json")
+    assert r.code == 0 and "fromvariable" in r.out and "fromdefault" not in r.out, r

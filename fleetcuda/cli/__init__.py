@@ -122,6 +122,10 @@ def _main(argv: list[str] | None, env: Environment) -> ExitStatus:
     if getattr(args, "limit", None) is not None and not args.limit.strip(" ,\t"):
         # `--limit "$HOSTS"` with HOSTS unset must not mean every target.
         raise InputError("--limit", None, repr(args.limit), "is empty: name hosts, groups, containers or globs")
+    if "inventory" in vars(args):  # -i, else $FLEETCUDA_INVENTORY, else the one default path: never an example
+        from fleetcuda.state import inventory_path
+
+        args.inventory = inventory_path(args.inventory, env.environ, env.home)
     return COMMANDS[args.command].run(args, env)
 
 
