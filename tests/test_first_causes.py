@@ -173,3 +173,64 @@ def test_the_inventory_comes_from_the_variable_then_the_default_path(cli: Cli, t
     cli.environ["FLEETCUDA_INVENTORY"] = str(write(tmp_path / "env.yaml", inv.replace("box", "fromvariable")))
     r = cli("apply", str(FLAGSHIP), "--dry-run", "--format", "json")
     assert r.code == 0 and "fromvariable" in r.out and "fromdefault" not in r.out, r
+
+
+def _fake_systemctl(tmp_path: Path, cli: Cli, enabled: bool) -> Path:
+    """A `systemctl` first on the environment's PATH that logs its argv and says the timer is enabled (or not)."""
+    bindir, calls = tmp_path / "sbin", tmp_path / "systemctl.calls"
+    bindir.mkdir()
+    write(bindir / "systemctl", f"#!/bin/sh\necho \"$*\" >> {calls}\ncase \"$1\" in is-enabled|is-active) "
+                                f"exit {0 if enabled else 1} ;; esac\nexit 0\n").chmod(0o755)
+    cli.environ["PATH"] = f"{bindir}:{cli.environ['PATH']}"
+    return calls
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_schedule_remove_systemd_undoes_install_timer_included(cli: Cli, tmp_path: Path, enabled: bool) -> None:
+    units = tmp_path / "units"
+    units.mkdir()
+    recipe = write(tmp_path / "r.yaml", "name: r\nsteps:\n  - name: s\n    verify: 'true'\n")
+    inv = write(tmp_path / "i.yaml", "hosts:\n  h:\n    kind: local\n")
+    assert cli("schedule", "install", recipe, "-i", inv, "--systemd", "--unit-dir", units).code == 0
+    calls = _fake_systemctl(tmp_path, cli, enabled)
+    r = cli("schedule", "remove", "--systemd", "--unit-dir", units)
+    assert r.code == 0, r
+    assert not list(units.iterdir())
+    said = calls.read_text().splitlines() if calls.exists() else []
+    if enabled:  # the timer `activate with:` enabled is stopped and disabled, and systemd forgets the units
+        assert "disable --now fleetcuda-verify-nightly.timer" in said and said[-1] == "daemon-reload", said
+        assert "stopped and disabled fleetcuda-verify-nightly.timer" in r.out
+    else:
+        assert not [c for c in said if c.startswith("disable")], said
+
+
+def test_schedule_install_print_writes_nothing_and_units_pin_home_and_state(cli: Cli, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = write(tmp_path / "r.yaml", "name: r\nsteps:\n  - name: s\n    verify: 'true'\n")
+    inv = write(tmp_path / "i.yaml", "hosts:\n  h:\n    kind: local\n")
+    units = tmp_path / "units"
+    units.mkdir()
+    # No crontab on PATH: --print must not touch it (nor the state directory, nor the unit directory).
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    cron = cli("schedule", "install", recipe, "-i", inv, "--print")
+    assert cron.code == 0, cron
+    assert cron.out.startswith("would install into the crontab: 0 3 * * * ")
+    assert f"HOME={tmp_path / 'home'} FLEETCUDA_STATE_DIR={cli.state} " in cron.out
+    unit = cli("schedule", "install", recipe, "-i", inv, "--print", "--systemd", "--unit-dir", units)
+    assert unit.code == 0, unit
+    assert f"# would write {units / 'fleetcuda-verify-nightly.service'}" in unit.out
+    assert f'Environment="HOME={tmp_path / "home"}"' in unit.out
+    assert f'Environment="FLEETCUDA_STATE_DIR={cli.state}"' in unit.out
+    assert "OnCalendar=*-*-* 03:00:00" in unit.out
+    assert not list(units.iterdir()) and not cli.state.exists()
+
+
+def test_schedule_puts_the_prometheus_file_where_node_exporter_reads_it(cli: Cli, tmp_path: Path) -> None:
+    recipe = write(tmp_path / "r.yaml", "name: r\nsteps:\n  - name: s\n    verify: 'true'\n")
+    inv = write(tmp_path / "i.yaml", "hosts:\n  h:\n    kind: local\n")
+    textfiles = tmp_path / "node-exporter"
+    textfiles.mkdir()
+    r = cli("schedule", "install", recipe, "-i", inv, "--print", "--textfile-dir", textfiles)
+    assert r.code == 0 and f"prometheus={textfiles / 'fleetcuda_nightly.prom'}" in r.out, r
+    missing = cli("schedule", "install", recipe, "-i", inv, "--print", "--textfile-dir", tmp_path / "nope")
+    assert missing.code == 2 and "--textfile-dir" in missing.err, missing
