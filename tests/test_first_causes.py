@@ -234,3 +234,48 @@ def test_schedule_puts_the_prometheus_file_where_node_exporter_reads_it(cli: Cli
     assert r.code == 0 and f"prometheus={textfiles / 'fleetcuda_nightly.prom'}" in r.out, r
     missing = cli("schedule", "install", recipe, "-i", inv, "--print", "--textfile-dir", tmp_path / "nope")
     assert missing.code == 2 and "--textfile-dir" in missing.err, missing
+
+
+def test_an_unknown_key_says_the_exact_trust_command_and_trust_takes_several_hosts(sshd_lab: object,
+                                                                                  tmp_path: Path) -> None:
+    """Through the real CLI and the loopback sshd: verify on a host whose key is unknown prints the exact
+    command; run as printed it records the key and verify connects; `trust A B` trusts both hosts in turn."""
+    import os
+    import shlex
+    import sys
+
+    from tests.test_ssh_trust import host_pub, inventory
+
+    env = {**os.environ, "FLEETCUDA_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200"}
+
+    def run(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fleetcuda", *argv], capture_output=True, text=True, env=env,
+                              cwd=ROOT, input=stdin, timeout=120)
+
+    kh = tmp_path / "known_hosts"
+    kh.write_text("")
+    inv = inventory(sshd_lab, tmp_path / "inv.yaml", kh)  # type: ignore[arg-type]
+    recipe = write(tmp_path / "r.yaml", "name: r\nsteps:\n  - name: s\n    verify: 'true'\n")
+    first = run("verify", str(recipe), "-i", str(inv), "--plain")
+    assert first.returncode == 3, first.stdout + first.stderr
+    said = first.stdout + first.stderr
+    command = f"fleetcuda trust -i {inv} target --fingerprint SHA256:"
+    assert command in said, said
+    line = said[said.index(command):].split()[:7]  # fleetcuda trust -i INV target --fingerprint FP
+    fixed = run(*line[1:])
+    assert fixed.returncode == 0 and "recorded in" in fixed.stdout, fixed.stdout + fixed.stderr
+    again = run("verify", str(recipe), "-i", str(inv), "--plain")
+    assert again.returncode == 0, again.stdout + again.stderr
+    # Two hosts, one command: each key shown and confirmed in turn (on a terminal; here `script` gives one).
+    kh2 = tmp_path / "kh2"
+    text = inv.read_text().replace("  target:", "  a:").replace(str(kh), str(kh2))
+    text += text.split("hosts:\n", 1)[1].replace("  a:", "  b:")
+    two = write(tmp_path / "two.yaml", text)
+    if shutil.which("script") is None:
+        pytest.skip("needs script(1) for a terminal")
+    cmd = shlex.join([sys.executable, "-m", "fleetcuda", "trust", "a", "b", "-i", str(two)])
+    both = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          input="y\ny\n", timeout=120)
+    assert both.returncode == 0, both.stdout + both.stderr
+    assert both.stdout.count("recorded in") == 2 or "already trusted" in both.stdout, both.stdout
+    assert host_pub(sshd_lab)[1] in kh2.read_text()  # type: ignore[arg-type]
