@@ -23,6 +23,28 @@ def state_dir(environ: Mapping[str, str] | None = None, home: Path | None = None
     return Path(base) / "fleetcuda"
 
 
+def default_inventory(environ: Mapping[str, str] | None = None, home: Path | None = None) -> Path:
+    """The one default inventory file: `${XDG_CONFIG_HOME:-~/.config}/fleetcuda/inventory.yaml`."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CONFIG_HOME") or str((home or Path(os.path.expanduser("~"))) / ".config")
+    return Path(base) / "fleetcuda" / "inventory.yaml"
+
+
+def inventory_path(given: str | None, environ: Mapping[str, str] | None = None, home: Path | None = None) -> str:
+    """The inventory a command reads: `-i FILE`, else $FLEETCUDA_INVENTORY, else default_inventory() when it
+    exists. Never an example of the docs: without any of them it is bad input (exit 2), saying so."""
+    environ = os.environ if environ is None else environ
+    if given:
+        return given
+    if environ.get("FLEETCUDA_INVENTORY"):
+        return environ["FLEETCUDA_INVENTORY"]
+    path = default_inventory(environ, home)
+    if os.path.lexists(path):
+        return str(path)
+    raise InputError("inventory", None, "", f"none given: pass -i FILE, set FLEETCUDA_INVENTORY, or write {path} "
+                     "(inventories/example.yaml shows the format)")
+
+
 def make_run_dir(mode: str, recipe: str, root: Path | None = None) -> Path:
     """A new private directory for one run's logs, under the state directory (or `root`)."""
     base = root or state_dir()

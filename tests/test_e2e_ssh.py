@@ -154,7 +154,7 @@ def test_unknown_host_key_is_refused_with_how_to_trust(lab: LoopbackSshd, env: d
                      "--limit", "bashhost/300", state=env["state"])
     assert proc.returncode == 3
     assert f"host key of [127.0.0.1]:{lab.port} is not in {empty}" in proc.stdout
-    assert "SHA256:" in proc.stdout and "fleetcuda trust -i INVENTORY HOST --fingerprint SHA256:" in proc.stdout
+    assert f"fleetcuda trust -i {inv} bashhost --fingerprint SHA256:" in proc.stdout  # the exact command
     assert empty.read_text() == ""  # nothing was added
     assert not (env["root"] / "ct300").exists()
 

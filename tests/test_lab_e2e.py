@@ -239,7 +239,7 @@ def test_unknown_or_changed_host_key_is_refused(state: Path, tmp_path: Path) -> 
     out = run_fleetcuda("verify", GDN, "-i", str(inv), "--plain", "--limit", "lab-a", state=state)
     assert out.returncode == 3
     assert f"host key of 10.250.1.2 is not in {empty}: ssh-ed25519 SHA256:" in out.stdout
-    assert "fleetcuda trust -i INVENTORY HOST --fingerprint SHA256:" in out.stdout
+    assert f"fleetcuda trust -i {inv} lab-a --fingerprint SHA256:" in out.stdout  # the exact command
     assert empty.read_text() == ""
 
     wrong = tmp_path / "wrong_known_hosts"

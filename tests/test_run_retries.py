@@ -23,13 +23,15 @@ def test_a_failing_apply_is_retried_up_to_retries_with_growing_waits(tmp_path: P
     sleeps = Sleeps()
     engine, fake = make_engine(tmp_path, flaky(retries=3, delay=2), sleep=sleeps)
     fake.on(step="fetch", phase="check", reply=exit_with(1))
-    fake.on(step="fetch", phase="apply", reply=exit_with(7, "curl: (7) Failed to connect"))
+    fake.on(step="fetch", phase="apply", reply=exit_with(22, "curl: (22) The requested URL returned error: 503"))
     [result] = engine.run()
     assert len(fake.calls_for(step="fetch", phase="apply")) == 4  # the first try and 3 retries
     assert sleeps.waits == [2, 4, 8]  # retry_delay, doubled each time
     [step] = result.steps
-    assert step.status == StepStatus.FAILED and step.detail == "apply: apply failed (exit 7)"
-    assert log_of(engine, "h").count("# apply failed (exit 7); retrying") == 4
+    assert step.status == StepStatus.FAILED and step.detail == "apply: apply failed (exit 22)"
+    log = log_of(engine, "h")
+    assert log.count("# apply failed (exit 22); retrying") == 3  # never after the last attempt
+    assert "# apply failed (exit 22) on its last attempt (4 of 4)" in log
 
 
 def test_an_apply_that_succeeds_on_a_retry_changes_the_step(tmp_path: Path) -> None:

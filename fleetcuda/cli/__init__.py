@@ -124,6 +124,11 @@ def _main(argv: list[str] | None, env: Environment) -> ExitStatus:
     if getattr(args, "limit", None) is not None and not args.limit.strip(" ,\t"):
         # `--limit "$HOSTS"` with HOSTS unset must not mean every target.
         raise InputError("--limit", None, repr(args.limit), "is empty: name hosts, groups, containers or globs")
+    if "inventory" in vars(args) and not getattr(args, "inventory_later", False):
+        # -i, else $FLEETCUDA_INVENTORY, else the one default path: never an example (schedule: install only).
+        from fleetcuda.state import inventory_path
+
+        args.inventory = inventory_path(args.inventory, env.environ, env.home)
     return COMMANDS[args.command].run(args, env)
 
 

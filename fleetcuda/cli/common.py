@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from fleetcuda.results import TargetResult
     from fleetcuda.run.engine import Engine
 
-DEFAULT_INVENTORY = "inventories/example.yaml"
+# Said in --help; the rule is fleetcuda.state.inventory_path (applied once, in cli._main).
+INVENTORY_HELP = "inventory file (default $FLEETCUDA_INVENTORY, else ~/.config/fleetcuda/inventory.yaml)"
 
 
 def reporters() -> dict[str, Callable[[RunInfo, list[TargetResult]], str]]:
@@ -41,11 +42,10 @@ def reporters() -> dict[str, Callable[[RunInfo, list[TargetResult]], str]]:
 
 
 def add_inventory_option(sp: argparse.ArgumentParser, env: Environment, *, with_help: bool = False) -> None:
-    default = env.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY)
     if with_help:
-        sp.add_argument("-i", "--inventory", default=default, help=f"inventory file (default {DEFAULT_INVENTORY})")
+        sp.add_argument("-i", "--inventory", default=None, help=INVENTORY_HELP)
     else:
-        sp.add_argument("-i", "--inventory", default=default)
+        sp.add_argument("-i", "--inventory", default=None)
 
 
 def add_run_options(sp: argparse.ArgumentParser, env: Environment) -> None:

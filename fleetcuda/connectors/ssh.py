@@ -196,7 +196,7 @@ class _Verify(paramiko.MissingHostKeyPolicy):
             f"host key of {self.keys.name} is not in {self.keys.path}: {key.get_name()} {fingerprint(key)}. "
             f"If that fingerprint is the host's (ask its admin, or run `ssh-keygen -lf "
             f"/etc/ssh/ssh_host_{key.get_name().removeprefix('ssh-')}_key.pub` on it), trust it with: "
-            f"fleetcuda trust -i INVENTORY HOST --fingerprint {fingerprint(key)}"
+            f"{self.hop.trust_command or 'fleetcuda trust -i INVENTORY HOST'} --fingerprint {fingerprint(key)}"
         )
 
 
@@ -215,7 +215,8 @@ def _client(hop: SshHop, sock: paramiko.Channel | None) -> paramiko.SSHClient:
     path = _known_hosts_path(hop)
     if not Path(path).is_file():
         raise HostKeyError(f"known_hosts file {path} does not exist: host keys are never accepted "
-                           f"unseen; record {hop.address}'s key there first (fleetcuda trust)")
+                           f"unseen; record {hop.address}'s key there first: "
+                           f"{hop.trust_command or 'fleetcuda trust -i INVENTORY HOST'}")
     keys = host_keys(path, known_hosts_name(hop.address, hop.port))
     candidates = list(keys.trusted)
     for tries_left in range(len(candidates), -1, -1):

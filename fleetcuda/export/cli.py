@@ -7,20 +7,18 @@ it on its own.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from fleetcuda.errors import InputError
 
-DEFAULT_INVENTORY = "inventories/example.yaml"
+INVENTORY_HELP = "inventory file (default $FLEETCUDA_INVENTORY, else ~/.config/fleetcuda/inventory.yaml)"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("recipe", help="recipe file, e.g. recipes/gdn-fastpath.yaml")
-    ap.add_argument("-i", "--inventory", default=os.environ.get("FLEETCUDA_INVENTORY", DEFAULT_INVENTORY),
-                    help=f"inventory file (default {DEFAULT_INVENTORY})")
+    ap.add_argument("-i", "--inventory", default=None, help=INVENTORY_HELP)
     ap.add_argument("--limit", help="targets: host, host/vmid, group, container name or glob; comma-separated; "
                                     "!pattern excludes")
     ap.add_argument("--var", action="append", default=[], metavar="K=V", help="override a variable")
@@ -48,6 +46,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     if args.limit is not None and not args.limit.strip(" ,\t"):
         raise InputError("--limit", None, repr(args.limit), "is empty: name hosts, groups, containers or globs")
+    from fleetcuda.state import inventory_path
+
+    args.inventory = inventory_path(args.inventory)  # (fleetcuda's CLI has resolved it already)
     recipe = load_recipe(args.recipe)
     inventory = load_inventory(args.inventory)
     targets = inventory.select(args.limit)

@@ -95,6 +95,9 @@ class SshHop:
     known_hosts: str | None = None
     jump: SshHop | None = None
     connect_timeout: int = 10
+    # The command that trusts this hop's key, as the user runs it (`fleetcuda trust -i INVENTORY HOST`): said
+    # by the error of a key not yet trusted. Not part of what the hop is.
+    trust_command: str = field(default="", compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def load_inventory(path: str | Path) -> Inventory:
 
     targets: list[Target] = []
     for host_name, host in spec.hosts.items():
-        ssh = _ssh_hop(spec, host_name) if host.kind == "ssh" else None
+        ssh = _ssh_hop(spec, host_name, doc.path) if host.kind == "ssh" else None
         for ct in containers[host_name] or [None]:
             tid = f"{host_name}/{ct.vmid}" if ct else host_name
             groups = tuple(g for g in spec.groups if tid in membership[g])
@@ -256,7 +256,10 @@ def _check_jumps(doc: SourceDoc, spec: InventorySpec) -> None:
             current = spec.hosts[current.jump]
 
 
-def _ssh_hop(spec: InventorySpec, name: str) -> SshHop:
+def _ssh_hop(spec: InventorySpec, name: str, path: str) -> SshHop:
+    import os
+    import shlex
+
     host = spec.hosts[name]
     assert host.address is not None
     return SshHop(
@@ -265,8 +268,9 @@ def _ssh_hop(spec: InventorySpec, name: str) -> SshHop:
         port=host.port,
         identity_file=host.identity_file,
         known_hosts=host.known_hosts,
-        jump=_ssh_hop(spec, host.jump) if host.jump else None,
+        jump=_ssh_hop(spec, host.jump, path) if host.jump else None,
         connect_timeout=host.connect_timeout,
+        trust_command=f"fleetcuda trust -i {shlex.quote(os.path.abspath(path))} {shlex.quote(name)}",
     )
 
 

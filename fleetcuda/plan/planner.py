@@ -70,6 +70,9 @@ class PlannedStep:
     # `on: host` for a target in a container: its commands run on the host (host_chain), not in the container.
     on_host: bool = False
     summary: str = ""  # what it does, in an operator's words (its kind's describe()): what --check says would run
+    # Why the step could not be planned with the values read from the target (a fact that reads `none`): said
+    # when the step is reached, so that an earlier step that explains it (a preflight) speaks first.
+    unplanned: str | None = None
 
 
 @dataclass(frozen=True)
@@ -258,7 +261,9 @@ def parse_facts(output: str, names: list[str], nonce: str, recipe: Recipe | None
 
 
 def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str | None = None, *,
-              run_id: str = "", nonce: str | None = None) -> Plan:
+              run_id: str = "", nonce: str | None = None, defer_step_errors: bool = False) -> Plan:
+    """`defer_step_errors`: a step that cannot be planned with these values (facts read from the target) is
+    planned as `unplanned`, with the error, instead of failing the whole plan before any step has run."""
     nonce = nonce or framing.new_nonce()
     secrets = Secrets(recipe, values)
     recipe_env = {k: _render(recipe, ("env", k), v, values) for k, v in recipe.env.items()}
@@ -290,7 +295,11 @@ def make_plan(recipe: Recipe, target: Target, values: dict[str, str], home: str 
                     raise recipe.source.error(recipe.step_loc(i, "satisfied_if"), str(exc)) from None
                 scripts = _or_satisfied(scripts, condition)
         except (TemplateError, ValueError) as exc:
-            raise recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})") from None
+            error = recipe.source.error(recipe.step_loc(i), f"{exc} (target {target.id})")
+            if not defer_step_errors:
+                raise error from None
+            steps.append(replace(planned, unplanned=str(error)))
+            continue
         if on_host and (scripts.shared is not None or scripts.exports or scripts.path_prepend):
             raise recipe.source.error(recipe.step_loc(i, "on"), "a step on the host cannot build a shared wheel "
                                       "nor export variables to the container's steps")

@@ -13,7 +13,8 @@
   broken, not a version), and each /dev/nvidia* node: present, a character device, openable;
 - whether the driver supports the CUDA version torch and nvcc use (`--cuda-version`; one it cannot read fails).
 
-Each line says `ok`, `FAIL`, `WARN` or `info`; the last line is the verdict, with what to do when it fails.
+Each line says `ok`, `FAIL`, `WARN`, `info` or `unknown` (what could not be looked at, with why: never
+reported as missing); the last line is the verdict, with what to do when it fails.
 Exit status 0 only if the host driver equals the container's libraries, the nodes open (unless
 --require-devices false), the config passes the nodes through (for containers) and the driver supports the
 CUDA version. Given a frame nonce (FLEETCUDA_NONCE), it also reports its findings as one `gpu` frame.
@@ -284,15 +285,22 @@ def main(argv):
                 rep.say("ok", f"container {vmid}'s config passes {len(paths)} NVIDIA device nodes through")
 
     rc, out, err = run(opts["container_probe"], timeout=120)
+    unknown = None  # why what is inside is not known: never reported as missing
     if rc != 0:
         said = " ".join((err.strip() or out.strip() or f"exit {rc}").split())[:200]
-        rep.say("FAIL", f"could not look inside {where}: {said}", rank=1)
+        unknown = f"could not look inside {where}: {said}"
+        rep.say("FAIL", unknown, rank=1)
+        findings["unknown"] = unknown
         libs, nodes = {name: [] for name in LIBS}, {}
     else:
         libs, nodes = parse_probe(out)
 
     findings["libs"] = {}
     for name in LIBS:
+        if unknown is not None:
+            findings["libs"][name] = None
+            rep.say("unknown", f"{where}'s {name}: not known ({unknown})")
+            continue
         version, versions, broken = lib_version(name, libs[name])
         findings["libs"][name] = version
         fix = "run ldconfig there" + (f", or {REINSTALL.format(v=driver)}" if driver else "")

@@ -47,7 +47,8 @@ def plan_target(ctx: RunContext, target: Target, overrides: dict[str, str], chan
     if not names and prepared is not None:
         plan = prepared  # planned once, before the run: nothing read from the target changes it
     else:
-        plan = make_plan(ctx.recipe, target, values, home, run_id=ctx.run_id, nonce=ctx.nonce)
+        plan = make_plan(ctx.recipe, target, values, home, run_id=ctx.run_id, nonce=ctx.nonce,
+                         defer_step_errors=bool(names))
     ctx.redactors[target.id] = Redactor(plan.secrets)
     if names:
         channel.write(ctx.redact(target, "# facts: " + ", ".join(f"{n}={values[n]}" for n in names)))

@@ -16,7 +16,17 @@ from fleetcuda.plan.planner import Plan, PlannedStep
 from fleetcuda.results import StepResult, StepStatus, TargetResult, TargetStatus
 from fleetcuda.run.batching import batched_checks
 from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel
-from fleetcuda.run.diagnosis import ending, failed, found, free_space, maybe_unreachable, tail, timed_out
+from fleetcuda.run.diagnosis import (
+    ending,
+    failed,
+    found,
+    free_space,
+    maybe_unreachable,
+    network_failure,
+    stopped,
+    tail,
+    timed_out,
+)
 from fleetcuda.run.locking import LockKeeper
 from fleetcuda.run.retry import Sleep, apply_with_retries
 from fleetcuda.run.shared import SharedBuilds
@@ -47,6 +57,8 @@ class Converger:
             pre = batch.get(step.index)
             if step.skipped:
                 sr = StepResult(step.name, StepStatus.SKIPPED, detail=step.skipped)
+            elif step.unplanned:
+                sr = _unplanned(step, result)
             elif self.ctx.mode == "verify":
                 sr = self._verify_only(channel, step, pre)
             else:
@@ -65,7 +77,7 @@ class Converger:
                        would_change: list[str]) -> StepResult:
         """An assertion not met: failed, but under --check after steps that would change it is unknown (its
         answer may be theirs to change). A timeout is no answer: it stays a failure."""
-        if self.ctx.mode != "check" or not would_change or timed_out(res):
+        if self.ctx.mode != "check" or not would_change or stopped(res):
             return failed(step, phase, res, start, why)
         last = would_change[-3:]  # the nearest three: a long recipe's whole list says no more
         names = ", ".join(last[:-1]) + (" and " if len(last) > 1 else "") + last[-1]
@@ -114,6 +126,10 @@ class Converger:
             result = failed(step, "apply", res, start, f"apply failed ({ending(res, step.timeout)})")
             if "No space left on device" in res.output:
                 result.detail += "; " + free_space(channel, res.output)
+            elif (net := network_failure(res.output)) is not None:
+                # One line that says it, and the distinct lines it rests on (apt repeats them per file).
+                result.detail += "; " + net[0]
+                result.tail = net[1]
             return result
         after = step.verify or step.check
         assert after is not None
@@ -138,6 +154,16 @@ class Converger:
                               tail(res.output), found=found(res.output))
         return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", tail(res.output),
                           found=found(res.output))
+
+
+def _unplanned(step: PlannedStep, result: TargetResult) -> StepResult:
+    """A step that could not be planned with what the target's facts read: its own failure, unless an earlier
+    step already reported what is wrong (a preflight's drift in verify mode): then it is not run, and says why."""
+    earlier = next((s for s in result.steps if s.status in (StepStatus.DRIFT, StepStatus.FAILED)), None)
+    if earlier is not None:
+        return StepResult(step.name, StepStatus.SKIPPED, detail=f"not run: {earlier.name} found what to fix first "
+                          f"({step.unplanned})")
+    return StepResult(step.name, StepStatus.FAILED, detail=f"not planned: {step.unplanned}")
 
 
 def overall(steps: list[StepResult]) -> TargetStatus:

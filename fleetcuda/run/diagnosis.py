@@ -23,6 +23,49 @@ FULL_FILESYSTEMS = ('NR > 1 && $2 > 0 && $5 + 0 >= 98 '
                     '{ printf "%s: %d MiB free of %d MiB\\n", $6, $4 / 1024, $2 / 1024 }')
 
 
+# What apt (and apt-helper), pip, uv, curl and wget say when the network fails, by kind; the first kind found
+# in the output is the diagnosis. Retrying does not fix these (a name that does not resolve, a mirror that
+# refuses, a certificate not trusted): they are said in one line, not retried.
+NETWORK = (
+    ("name resolution", "cannot resolve the name of {hosts}: check the target's DNS (/etc/resolv.conf) or give a "
+     "mirror it can resolve", re.compile(r"Temporary failure (?:in name )?resolving|Could not resolve|"
+                           r"Temporary failure in name resolution|Name or service not known|unable to resolve host|"
+                           r"failed to lookup address|"
+                           r"No address associated with hostname|nodename nor servname", re.I)),
+    ("TLS", "TLS to {hosts} failed: the target's CA certificates (ca-certificates), its clock, or a proxy that "
+     "intercepts TLS", re.compile(r"Certificate verification failed|CERTIFICATE_VERIFY_FAILED|SSL certificate "
+                                 r"problem|gnutls_handshake|SSLError|invalid peer certificate|certificate verify "
+                                 r"failed", re.I)),
+    ("unreachable mirror", "cannot reach {hosts}: the mirror is down or the target has no route to it (a proxy, "
+     "a firewall); give a mirror it can reach", re.compile(
+         r"Could not connect to|Unable to connect to|Failed to connect to|Connection refused|Network is "
+         r"unreachable|No route to host|Connection timed out|connection timed out|ConnectTimeoutError|"
+         r"Failed to establish a new connection|tcp connect error", re.I)),
+)
+_HOST = re.compile(r"resolving '([^']+)'|resolve '([^']+)'|resolve host(?: address)?:? '?([\w.-]+)|host='([^']+)'|"
+                   r"connect to ([\w.-]+)[: ]|https?://([\w.-]+)", re.I)
+
+
+def network_failure(output: str) -> tuple[str, list[str]] | None:
+    """A network failure of apt, pip, uv or a download, said in one line (`network: ...`), and the distinct
+    lines it is based on; None when the output shows none."""
+    lines = output.splitlines()
+    for kind, what, pattern in NETWORK:
+        hits = [ln.strip() for ln in lines if pattern.search(ln)]
+        if not hits:
+            continue
+        hosts: list[str] = []
+        for ln in hits:
+            for m in _HOST.finditer(ln):
+                host = next(g for g in m.groups() if g)
+                if host not in hosts:
+                    hosts.append(host)
+        shown = ", ".join(hosts[:3]) if hosts else "its mirror (index)"
+        seen = list(dict.fromkeys(ln[:200] for ln in hits))
+        return f"network ({kind}): " + what.format(hosts=shown) + "; not retried", seen[:3]
+    return None
+
+
 def timed_out(res: RunResult, timeout: float | None) -> bool:
     """The command ran out of time: the control side gave up, or `timeout` on the target stopped it (124 after
     TERM; 128+9 when it had to KILL), which it does only once `timeout` seconds have passed. A 124 or 137 sooner

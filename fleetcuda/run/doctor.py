@@ -33,7 +33,7 @@ _NONCE = framing.new_nonce()
 class Finding:
     check: str
     value: str
-    status: str  # ok | warn | fail | info
+    status: str  # ok | warn | fail | info | unknown (could not be looked at; its reason in the value)
 
 
 def command(target: Target, home: str | None = None) -> BuiltCommand:
@@ -180,7 +180,11 @@ def gpu_findings(report: dict) -> list[Finding]:
     if "error" in report:
         return [Finding("GPU passthrough", str(report["error"]), "fail")]
     out = [Finding("host NVIDIA driver", str(report.get("driver") or "none"), "ok" if report.get("driver") else "fail")]
+    unknown = report.get("unknown")  # the check could not look inside: neither there nor missing
     for name, version in (report.get("libs") or {}).items():
+        if unknown and not version:
+            out.append(Finding(name, f"unknown: {unknown}", "unknown"))
+            continue
         out.append(Finding(name, str(version or "missing"),
                            "ok" if version and version == report.get("driver") else "fail"))
     failures = report.get("failures") or []
@@ -244,7 +248,7 @@ def findings(report: dict) -> list[Finding]:
     return out
 
 
-STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
+STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim", "unknown": "yellow"}
 
 
 def render(results: dict[str, list[Finding]], console: Console,

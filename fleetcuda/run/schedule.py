@@ -17,7 +17,7 @@ import os
 import re
 import shlex
 import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +35,7 @@ _TIMESPAN = re.compile(r"[0-9]+ ?(us|ms|s|sec|m|min|h|hr|d|w|M|y)?( ?[0-9]+ ?(us
 _USER = re.compile(r"[a-z_][a-z0-9_.-]{0,31}\$?")
 # Words systemd and sh both read as themselves; anything else is quoted.
 _PLAIN_WORD = re.compile(r"[A-Za-z0-9._/=:,+@-]+")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ScheduleError(RuntimeError):
@@ -97,11 +98,20 @@ def _cron_escape(text: str) -> str:
     return text.replace("%", "\\%")
 
 
+def _check_environment(environment: Mapping[str, str] | None, for_what: str) -> dict[str, str]:
+    out = dict(environment or {})
+    for k, v in out.items():
+        if not _ENV_NAME.fullmatch(k) or any(c in v for c in "\n\r\0"):
+            raise ValueError(f"{for_what}: environment {k}={v!r}: a variable name, and a value of one line")
+    return out
+
+
 def cron_line(command_argv: Sequence[str], *, log_path: str, at: str = DEFAULT_AT, name: str = DEFAULT_NAME,
-              cwd: str | None = None) -> str:
-    """One crontab line: `<at> umask 077; [cd DIR &&] ARGV... </dev/null >>LOG 2>&1 # fleetcuda-verify:<name>`.
+              cwd: str | None = None, environment: Mapping[str, str] | None = None) -> str:
+    """One crontab line: `<at> umask 077; [cd DIR &&] [K=V...] ARGV... </dev/null >>LOG 2>&1 # fleetcuda-verify:<name>`.
 
     Every word is shell-quoted (shlex.quote) and every % escaped for cron. umask 077 keeps the log private.
+    `environment` pins variables for the command (HOME, FLEETCUDA_STATE_DIR: what the installer saw).
     """
     schedule = check_cron_at(at)
     argv = _check_argv(command_argv, "cron")
@@ -112,6 +122,7 @@ def cron_line(command_argv: Sequence[str], *, log_path: str, at: str = DEFAULT_A
         if not os.path.isabs(cwd) or any(c in cwd for c in "\n\r\0"):
             raise ValueError(f"cron: the working directory must be an absolute path (got {cwd!r})")
         words += ["cd", shlex.quote(cwd), "&&"]
+    words += [f"{k}={shlex.quote(v)}" for k, v in _check_environment(environment, "cron").items()]
     words += [shlex.quote(a) for a in argv]
     words += ["</dev/null", ">>" + shlex.quote(log_path), "2>&1", marker(name)]
     return f"{schedule} " + _cron_escape(" ".join(words))
@@ -266,10 +277,25 @@ def systemd_quote(arg: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _systemd_env_quote(assignment: str) -> str:
+    """One `Environment=` word: systemd expands % specifiers there (doubled), but not $ (kept as it is)."""
+    out = []
+    for c in assignment.replace("%", "%%"):
+        if c in '\\"':
+            out.append("\\" + c)
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def systemd_units(name: str, command_argv: Sequence[str], on_calendar: str = DEFAULT_ON_CALENDAR, *,
                   nice: int = 10, randomized_delay: str = "15min", user: str | None = None,
-                  working_directory: str | None = None, description: str | None = None) -> tuple[str, str]:
-    """The (service, timer) unit files' text for the job; nothing is written."""
+                  working_directory: str | None = None, description: str | None = None,
+                  environment: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The (service, timer) unit files' text for the job; nothing is written. `environment`: one
+    `Environment=` line per variable (HOME, FLEETCUDA_STATE_DIR: what the installer saw)."""
     stem = unit_name(name)
     argv = _check_argv(command_argv, "systemd")
     calendar = check_on_calendar(on_calendar)
@@ -302,6 +328,8 @@ def systemd_units(name: str, command_argv: Sequence[str], on_calendar: str = DEF
         service.append(f"User={user}")
     if working_directory is not None:
         service.append(f"WorkingDirectory={working_directory}")
+    for k, v in _check_environment(environment, "systemd").items():
+        service.append("Environment=" + _systemd_env_quote(f"{k}={v}"))
     timer = [
         f"# Written by fleetcuda ({MARKER}:{name}); `fleetcuda schedule` replaces or removes it.",
         "[Unit]",
@@ -361,8 +389,8 @@ def activate_commands(name: str, systemctl: Sequence[str] = ("systemctl",)) -> l
 def install_systemd(name: str, command_argv: Sequence[str], unit_dir: str | os.PathLike[str] = SYSTEM_UNIT_DIR, *,
                     on_calendar: str = DEFAULT_ON_CALENDAR, nice: int = 10, randomized_delay: str = "15min",
                     user: str | None = None, working_directory: str | None = None, description: str | None = None,
-                    activate: bool = False, systemctl: Sequence[str] = ("systemctl",),
-                    runner: Runner = _run_checked) -> SystemdInstall:
+                    environment: Mapping[str, str] | None = None, activate: bool = False,
+                    systemctl: Sequence[str] = ("systemctl",), runner: Runner = _run_checked) -> SystemdInstall:
     """Write the job's .service and .timer (0644) into unit_dir, replacing older versions of them.
 
     With activate=True, also runs `systemctl daemon-reload` and `systemctl enable --now <unit>.timer`
@@ -371,7 +399,8 @@ def install_systemd(name: str, command_argv: Sequence[str], unit_dir: str | os.P
     """
     service_text, timer_text = systemd_units(name, command_argv, on_calendar, nice=nice,
                                              randomized_delay=randomized_delay, user=user,
-                                             working_directory=working_directory, description=description)
+                                             working_directory=working_directory, description=description,
+                                             environment=environment)
     directory = _unit_dir(unit_dir)
     if not directory.is_dir():
         raise ScheduleError(f"unit directory {directory} does not exist")

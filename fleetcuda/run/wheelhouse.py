@@ -69,9 +69,41 @@ def run_download(plan: DownloadPlan, echo: Callable[[str], None]) -> None:
     for argv, env in plan.commands:
         shown = " ".join(f"{k}={quote(v)}" for k, v in env.items())
         echo(f"$ {shown + ' ' if shown else ''}{join_for_paste(argv)}")
-        proc = subprocess.run(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise FleetcudaError(f"pip download failed (exit {proc.returncode}); nothing was pushed")
+        try:
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace")
+        except OSError as exc:
+            raise FleetcudaError(f"wheelhouse build: cannot run {argv[0]} on this machine (the control machine): "
+                                 f"{exc.strerror or exc}; give --python an interpreter that exists") from None
+        output = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line.rstrip("\n"))
+            echo(output[-1])
+        if proc.wait() != 0:
+            raise FleetcudaError(_download_failure(argv, proc.returncode, output))
+
+
+def _download_failure(argv: list[str], rc: int, output: list[str]) -> str:
+    """What the control machine lacks, when pip says so: its Python without pip, or without a module that an
+    sdist's setup.py imports (pip runs it to read the metadata, with --no-build-isolation in this Python)."""
+    import re
+
+    python, what = argv[0], argv[-1]
+    missing = [m for ln in output for m in re.findall(r"No module named '?([\w.]+)'?", ln)]
+    if "pip" in missing:
+        return (f"wheelhouse build: the control machine's Python ({python}) has no pip: install pip into it, or "
+                "give --python an interpreter that has it")
+    sdist = "--no-binary" in argv
+    if missing:
+        module = missing[-1].split(".")[0]
+        why = (f"preparing the sdist {what} runs its setup.py in this Python (--no-build-isolation), and it "
+               f"imports {module}" if sdist else f"pip needs {module}")
+        return (f"wheelhouse build: the control machine's Python ({python}) lacks {module}: {why}; install "
+                f"{module} into it (pip install {module}), or give --python an interpreter that has it")
+    last = next((ln.strip() for ln in reversed(output) if ln.strip()), "")
+    return (f"wheelhouse build: pip download of {what if sdist else 'the wheels'} failed on the control machine "
+            f"(exit {rc})" + (f": {last}" if last else ""))
 
 
 def files_of(directory: Path) -> list[Path]:
