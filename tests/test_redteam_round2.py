@@ -291,7 +291,7 @@ def test_redteam2_sigterm_during_batched_checks_leaves_the_check_running(tmp_pat
 
 # Promise 4/6 (reliability): one long output line of letters/digits (a base64 blob, a minified JSON,
 # pip's \r progress bar) costs time quadratic in its length on the control machine, in the redactor's
-# URL-credentials regex (redact.URL_CREDENTIALS: `[A-Za-z][A-Za-z0-9+.-]*://` retried at every offset): 20 kB ~2 s, 60 kB ~15-20 s, 300 kB ~6 min, during which  # noqa: E501
+# URL-credentials regex (formerly redact.URL_CREDENTIALS: `[A-Za-z][A-Za-z0-9+.-]*://` retried at every offset): 20 kB ~2 s, 60 kB ~15-20 s, 300 kB ~6 min, during which  # noqa: E501
 # SIGTERM is not acted on (a `timeout 100` run took 7 minutes to end). A 50 kB line should take well under 5 s.
 def test_redteam2_one_long_output_line_takes_quadratic_time(tmp_path: Path) -> None:
     r, i = _files(tmp_path, """\

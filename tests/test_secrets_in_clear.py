@@ -104,7 +104,9 @@ steps:
     lines = json.dumps(plan)
     assert "wordXY9" not in lines and "pa\\\"ss" not in lines
     human = cli("apply", recipe, "-i", local, "--dry-run")
-    assert "wordXY9" not in human.out and "stdin" in human.out
+    assert "wordXY9" not in human.out and "***" in human.out
+    verbose = cli("apply", recipe, "-i", local, "--dry-run", "--verbose")
+    assert "wordXY9" not in verbose.out and "stdin" in verbose.out
     # What goes to the target: the command line holds no piece of it, stdin does.
     from fleetcuda.plan.inventory import load_inventory
     from fleetcuda.plan.planner import base_values, make_plan

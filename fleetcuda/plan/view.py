@@ -107,7 +107,7 @@ from fleetcuda.plan.planner import (
     vmid_of,
 )
 from fleetcuda.plan.recipe import Recipe
-from fleetcuda.redact import URL_CREDENTIALS, Redactor
+from fleetcuda.redact import Redactor, url_credentials
 from fleetcuda.run.locks import LOCK_REFRESH_S, TargetLock
 
 Format = Literal["human", "shell", "json"]
@@ -795,12 +795,14 @@ def _summary(recipe: Recipe, inventory: Inventory, views: list[TargetView], prog
             # A password in a URL makes the whole value a secret (planner.Secrets), shown nowhere: the whole URL.
             def word(w: str) -> str:
                 name, eq, value = w.partition("=")
-                keep = name + eq if eq and not URL_CREDENTIALS.search(name) and name.isidentifier() else ""
-                return keep + "***" if URL_CREDENTIALS.search(w) else w
+                keep = name + eq if eq and not url_credentials(name) and name.isidentifier() else ""
+                return keep + "***" if url_credentials(w) else w
 
             return redact(" ".join(word(w) for w in text.split(" ")))
 
-        body = [(a, ascii_line(hide(text)), c) for a, text, c in _summary_body(recipe, v)]
+        # The target's own name (a recipe may pass it: `TARGET: "{{ target }}"`) is no difference between plans.
+        body = [(a, ascii_line(hide(text)).replace(v.target.id, "<target>"), c)
+                for a, text, c in _summary_body(recipe, v)]
         key = tuple(text for _, text, _ in body)
         groups.setdefault(key, []).append(v)
         bodies[key] = body
@@ -824,6 +826,8 @@ def _summary(recipe: Recipe, inventory: Inventory, views: list[TargetView], prog
                 seen.add(said)
                 out += wrap_words("  ", ascii_line(said), "    ", width)
         for first, text, more in bodies[key]:
+            if len(members) == 1:
+                text = text.replace("<target>", members[0].target.id)
             out += wrap_words(first, text, more, width)
     if used:
         out.append("")
