@@ -105,7 +105,7 @@ def test_each_kind_says_what_it_does_with_values_resolved() -> None:
         "env CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=4 PIP_VERBOSE=1",
         "pip: fla-core==0.6.0 only from the wheelhouse /srv/fleetcuda-lab/wheelhouse (pip;",
         "program: fast_path_gate (sha256:",
-        "shell: an assertion: verify (61 lines)",
+        "shell: an assertion: verify (66 lines)",
         "2 gpu-passthrough: skipped (",
     ]:
         assert said in flat, said
