@@ -9,12 +9,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from fleetcuda.reports.plain import stamp
 
 if TYPE_CHECKING:
     from rich.live import Live
@@ -42,16 +43,18 @@ class Reporter:
 
 
 class PlainReporter(Reporter):
-    """One timestamped line per event: for cron, CI and pipes."""
+    """One timestamped line per event: for cron, CI and pipes. `brief` (verify): only the run's first line
+    (and --show-output's lines); the drift, failures and summary line come after the run."""
 
-    def __init__(self, stream: TextIO | None = None, show_output: bool = False):
+    def __init__(self, stream: TextIO | None = None, show_output: bool = False, brief: bool = False):
         self.stream = stream or sys.stdout
         self.show_output = show_output
+        self.brief = brief
         self.lock = threading.Lock()
 
     def _line(self, text: str) -> None:
         with self.lock:
-            self.stream.write(f"{datetime.now(UTC).strftime('%H:%M:%S')} {text}\n")
+            self.stream.write(f"{stamp()} {text}\n")
             self.stream.flush()
 
     def start(self, mode: str, recipe: str, targets: list[str]) -> None:
@@ -62,18 +65,21 @@ class PlainReporter(Reporter):
         self._line(f"{name}: {', '.join(targets)}")
 
     def step_started(self, target: str, step: str, phase: str) -> None:
-        self._line(f"{target} {step}: {phase}")
+        if not self.brief:
+            self._line(f"{target} {step}: {phase}")
 
     def output(self, target: str, step: str, line: str) -> None:
         if self.show_output:
             self._line(f"{target} {step} | {line}")
 
     def step_finished(self, target: str, result: StepResult) -> None:
-        self._line(f"{target} {result.name}: {result.status} ({result.detail}, {result.duration:.1f}s)")
+        if not self.brief:
+            self._line(f"{target} {result.name}: {result.status} ({result.detail}, {result.duration:.1f}s)")
 
     def target_finished(self, result: TargetResult) -> None:
-        extra = f": {result.error}" if result.error else ""
-        self._line(f"{result.target} done: {result.status}{extra}")
+        if not self.brief:
+            extra = f": {result.error}" if result.error else ""
+            self._line(f"{result.target} done: {result.status}{extra}")
 
 
 class RichReporter(Reporter):
@@ -140,16 +146,18 @@ class RichReporter(Reporter):
             self.live = None
 
 
-def summary(results: list[TargetResult], console: Console) -> None:
-    """Final per-target table, then the failures with their output tail and log path."""
-    table = Table(title="summary", show_header=True, header_style="bold")
-    for col in ("target", "result", "changed", "steps", "time"):
-        table.add_column(col)
-    for r in results:
-        style = STATUS_STYLE.get(r.status, "")
-        table.add_row(Text(r.target), Text(str(r.status), style=style), str(r.changed), str(len(r.steps)),
-                      f"{r.duration:.1f}s")
-    console.print(table)
+def summary(results: list[TargetResult], console: Console, *, table: bool = True) -> None:
+    """Final per-target table (unless `table` is false: off a terminal it is printed on request), then the
+    failures with their output tail and log path."""
+    if table:
+        grid = Table(title="summary", show_header=True, header_style="bold")
+        for col in ("target", "result", "changed", "steps", "time"):
+            grid.add_column(col)
+        for r in results:
+            style = STATUS_STYLE.get(r.status, "")
+            grid.add_row(Text(r.target), Text(str(r.status), style=style), str(r.changed), str(len(r.steps)),
+                         f"{r.duration:.1f}s")
+        console.print(grid)
     for r in results:
         for s in r.steps:
             if s.status in ("failed", "drift"):
