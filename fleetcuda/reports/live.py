@@ -82,6 +82,39 @@ class PlainReporter(Reporter):
             self._line(f"{result.target} done: {result.status}{extra}")
 
 
+LIVE_COLUMNS = ("target", "status", "step", "elapsed", "last output")
+LAST_OUTPUT_MAX = 60
+NARROWEST = 8  # a column that would get fewer characters gives way altogether
+
+
+def column_widths(rows: list[dict[str, str]], width: int) -> dict[str, int]:
+    """The live table's columns and their widths for a terminal `width` columns wide: target, status and
+    elapsed keep their full width; when the table does not fit, the last output gives way first (shrinks,
+    then goes), then the step. Two columns are left free: the terminal echoes Ctrl-C as `^C` after the table's last
+    line, and a line it wrapped would push the table's top border out of the region the live view clears."""
+    from rich.cells import cell_len
+
+    need = {col: max([cell_len(col), *(cell_len(r[col]) for r in rows)]) for col in LIVE_COLUMNS}
+    need["last output"] = min(need["last output"], LAST_OUTPUT_MAX)
+    room = width - 2
+
+    def total(widths: dict[str, int]) -> int:  # each column: its text, a space either side, a border
+        return sum(widths.values()) + 3 * len(widths) + 1
+
+    widths = dict(need)
+    for col in ("last output", "step"):
+        over = total(widths) - room
+        if over > 0:
+            if widths[col] - over >= NARROWEST:
+                widths[col] -= over
+            else:
+                del widths[col]
+    over = total(widths) - room
+    if over > 0:  # a terminal too narrow even for these: the target's name is cut last
+        widths["target"] = max(1, widths["target"] - over)
+    return widths
+
+
 class RichReporter(Reporter):
     """A live table: each target's current step and how long it has been running."""
 
@@ -101,17 +134,22 @@ class RichReporter(Reporter):
         self.live.start()
 
     def _table(self) -> Table:
-        table = Table(show_header=True, header_style="bold", expand=False)
-        for col in ("target", "status", "step", "elapsed", "last output"):
-            table.add_column(col, overflow="ellipsis", no_wrap=True, max_width=60 if col == "last output" else None)
         now = time.monotonic()
+        rows = []
         with self.lock:
             for t, row in self.rows.items():
                 status = str(row["status"])
                 elapsed = f"{now - float(row['since']):.0f}s" if status == "running" else ""  # type: ignore[arg-type]
-                style = STATUS_STYLE.get(status, "")
-                table.add_row(Text(t), Text(status, style=style), Text(str(row["step"])), elapsed,
-                              Text(str(row["last"])))
+                rows.append({"target": t, "status": status, "step": str(row["step"]), "elapsed": elapsed,
+                             "last output": str(row["last"])})
+        widths = column_widths(rows, self.console.width)
+        table = Table(show_header=True, header_style="bold", expand=False)
+        for col, width in widths.items():
+            table.add_column(col, overflow="ellipsis", no_wrap=True, width=width)
+        for row in rows:
+            cells = {col: Text(text) for col, text in row.items()}
+            cells["status"].stylize(STATUS_STYLE.get(row["status"], ""))
+            table.add_row(*(cells[col] for col in widths))
         return table
 
     def batch_started(self, name: str, targets: list[str]) -> None:
