@@ -43,8 +43,9 @@ class Reporter:
 
 
 class PlainReporter(Reporter):
-    """One timestamped line per event: for cron, CI and pipes. `brief` (verify): only the run's first line
-    (and --show-output's lines); the drift, failures and summary line come after the run."""
+    """One timestamped line per event: for cron, CI and pipes. `brief` (verify): what is not fine and each
+    target's result, not every step that started or passed; the failures' details and one summary line follow
+    the run."""
 
     def __init__(self, stream: TextIO | None = None, show_output: bool = False, brief: bool = False):
         self.stream = stream or sys.stdout
@@ -73,13 +74,12 @@ class PlainReporter(Reporter):
             self._line(f"{target} {step} | {line}")
 
     def step_finished(self, target: str, result: StepResult) -> None:
-        if not self.brief:
+        if not self.brief or result.status not in ("ok", "skipped"):
             self._line(f"{target} {result.name}: {result.status} ({result.detail}, {result.duration:.1f}s)")
 
     def target_finished(self, result: TargetResult) -> None:
-        if not self.brief:
-            extra = f": {result.error}" if result.error else ""
-            self._line(f"{result.target} done: {result.status}{extra}")
+        extra = f": {result.error}" if result.error else ""
+        self._line(f"{result.target} done: {result.status}{extra}")
 
 
 LIVE_COLUMNS = ("target", "status", "step", "elapsed", "last output")

@@ -11,7 +11,16 @@ from fleetcuda.plan.planner import Plan, PlannedStep
 from fleetcuda.results import StepResult, StepStatus, TargetResult, TargetStatus
 from fleetcuda.run.batching import batched_checks
 from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel
-from fleetcuda.run.diagnosis import failed, found, free_space, maybe_unreachable, tail, timed_out
+from fleetcuda.run.diagnosis import (
+    expected,
+    failed,
+    found,
+    free_space,
+    maybe_unreachable,
+    readable,
+    tail,
+    timed_out,
+)
 from fleetcuda.run.locking import LockKeeper
 from fleetcuda.run.retry import Sleep, apply_with_retries
 from fleetcuda.run.shared import SharedBuilds
@@ -45,7 +54,7 @@ class Converger:
                 sr = self._verify_only(channel, step, pre)
             else:
                 sr = self._converge(channel, step, pre)
-            sr = self._redacted(channel, sr, step.expect)
+            sr = self._redacted(channel, sr, expected(step))
             result.steps.append(sr)
             self.ctx.reporter.step_finished(tid, sr)
             if sr.status == StepStatus.FAILED:
@@ -62,7 +71,8 @@ class Converger:
 
     def _converge(self, channel: TargetChannel, step: PlannedStep, pre: RunResult | None) -> StepResult:
         target = channel.target
-        start = time.monotonic()
+        # A check answered in the batch took its time there: the step's time includes it.
+        start = time.monotonic() - (pre.duration if pre is not None else 0.0)
         if step.check is not None or (pre is not None and step.apply is None):
             res = pre or channel.exec(step.name, "check", step.check, step.timeout)  # type: ignore[arg-type]
             if res.rc == 0:
@@ -109,13 +119,14 @@ class Converger:
         res = pre or channel.exec(step.name, "verify", cmd, step.timeout)
         took = res.duration if pre else time.monotonic() - start
         if res.rc == 0:
-            return StepResult(step.name, StepStatus.OK, took, "verified", found=found(res.output))
+            return StepResult(step.name, StepStatus.OK, took, "verified", found=found(res.output, step))
         maybe_unreachable(res, channel.target)
+        lines = [readable(line, step) for line in tail(res.output)]
         if timed_out(res):  # it could not answer in time: not an answer, so not drift
             return StepResult(step.name, StepStatus.FAILED, took, f"verification timed out after {step.timeout}s",
-                              tail(res.output), found=found(res.output))
-        return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", tail(res.output),
-                          found=found(res.output))
+                              lines, found=found(res.output, step))
+        return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", lines,
+                          found=found(res.output, step))
 
 
 def overall(steps: list[StepResult]) -> TargetStatus:
