@@ -19,9 +19,6 @@ import pytest
 from rich.console import Console
 
 from fleetcuda.cli import Environment, main
-from fleetcuda.reports.live import column_widths
-from fleetcuda.reports.plain import plain_console
-from fleetcuda.results import normalised
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(Z|[+-]\d\d:?\d\d) ")
@@ -111,6 +108,8 @@ def test_history_and_other_tables_off_a_terminal_keep_their_cells_whole(tmp_path
 
 
 def test_a_plain_console_never_wraps_nor_leaves_trailing_spaces() -> None:
+    from fleetcuda.reports.plain import plain_console
+
     buf = io.StringIO()
     console = plain_console(buf, {"COLUMNS": "80"})
     path = "/var/lib/" + "deep/" * 40 + "file.log"
@@ -183,6 +182,8 @@ def rows(n: int = 3) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("width", [60, 80, 100, 160, 240])
 def test_the_live_table_keeps_target_status_and_elapsed_and_fits(width: int) -> None:
+    from fleetcuda.reports.live import column_widths
+
     widths = column_widths(rows(), width)
     assert {"target", "status", "elapsed"} <= set(widths)
     assert widths["target"] == len("pve-gpu0/200") and widths["status"] == len("running")
@@ -274,6 +275,8 @@ def test_found_names_the_step_and_its_own_line_with_resolved_values_the_same_eve
 
 
 def test_history_compares_values_recorded_with_run_ids_as_the_same() -> None:
+    from fleetcuda.results import normalised
+
     a = "fleetcuda-batch@bc39fa96: line 27: /root/venv/bin/python: No such file or directory"
     b = "fleetcuda-batch@0a1b2c3d: line 31: /root/venv/bin/python: No such file or directory"
     assert normalised(a) == normalised(b) != normalised(a.replace("python", "python3"))
