@@ -301,3 +301,24 @@ def test_a_terminal_console_is_left_to_rich() -> None:
                                    home=Path("/"), cwd=Path("/"), stdout_is_terminal=True)
     console: Console = env.console()
     assert console.is_terminal and console.width == 100
+
+
+def test_cache_list_through_a_pipe_keeps_its_headers_and_cells(tmp_path: Path) -> None:
+    from fleetcuda.run.wheelcache import FIELDS
+
+    cache_dir = tmp_path / "cache"
+    wheel = tmp_path / "causal_conv1d-1.7.0-cp311-cp311-linux_x86_64.whl"
+    wheel.write_bytes(b"PK\x03\x04 a wheel")
+    fp = dict.fromkeys(FIELDS, "x") | {"package": "causal-conv1d", "version": "1.7.0", "torch": "2.11.0+cu128"}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "FLEETCUDA_CACHE_DIR": str(cache_dir)}
+    store = ("import sys; from pathlib import Path; from fleetcuda.run.wheelcache import WheelCache; "
+             "WheelCache().store(Path(sys.argv[1]), eval(sys.argv[2]), {'built_on': 'pve-gpu1/200'})")
+    subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-c", store, str(wheel),
+                    repr(fp)], check=True)
+    got = subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-m", "fleetcuda",
+                          "cache", "list"], capture_output=True, text=True, check=True)
+    header = next(line for line in got.stdout.splitlines() if "package" in line)
+    for col in ("package", "fingerprint", "torch", "built on", "installs", "sha256"):
+        assert col in header, got.stdout
+    assert "causal-conv1d 1.7.0" in got.stdout and "2.11.0+cu128" in got.stdout and "pve-gpu1/200" in got.stdout
+    assert all(line == line.rstrip() for line in got.stdout.splitlines())

@@ -244,7 +244,7 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
     elif plain:
         console.print(summary_line(info, results), markup=False, highlight=False)
     else:
-        console.print(f"logs: {run_dir}", markup=False, highlight=False)
+        console.print(f"logs: {run_dir}", markup=False, highlight=False, soft_wrap=True)
     # Run-log retention: the runs directory does not grow without end (a nightly job applies it every night).
     for note in prune_after_run(env.state_dir, keep=run_dir, environ=env.environ):
         env.say(f"fleetcuda: {note}")

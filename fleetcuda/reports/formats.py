@@ -424,9 +424,9 @@ def render_table(info: RunInfo, results: list[TargetResult], console: Console, *
                                         f": {result.error}"))
         if blocks and result.log:
             blocks.append(Text(f"    full log: {result.log}"))
-        if blocks:
-            console.print(Group(*blocks), highlight=False)
-    console.print(Text(summary_line(info, results)), highlight=False)
+        if blocks:  # unwrapped by rich (the terminal wraps it): a path stays one piece to copy
+            console.print(Group(*blocks), highlight=False, soft_wrap=True)
+    console.print(Text(summary_line(info, results)), highlight=False, soft_wrap=True)
 
 
 def summary_line(info: RunInfo, results: list[TargetResult]) -> str:

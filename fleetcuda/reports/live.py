@@ -211,7 +211,7 @@ def summary(results: list[TargetResult], console: Console, *, table: bool = True
         if r.error and r.status != "not-run":
             console.print(Text.assemble((r.target, "bold red"), f": {r.status}: {r.error}"), highlight=False)
         if r.status in ("failed", "unreachable", "drift", "interrupted", "locked") and r.log:
-            console.print(f"    full log: {r.log}", markup=False, highlight=False)
+            console.print(f"    full log: {r.log}", markup=False, highlight=False, soft_wrap=True)
     # A stopped rollout: one line per reason, not one per target of a large fleet.
     not_run: dict[str, list[str]] = {}
     for r in results:
