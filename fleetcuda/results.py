@@ -6,6 +6,7 @@ Statuses are `StrEnum`s, so they compare equal to, and serialize as, the plain w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
@@ -63,6 +64,17 @@ class StepResult:
     would_run: str | None = None
     expected: str = ""  # what the step's check proves when it passes
     found: str = ""  # the last line the check printed: what it saw
+
+
+# bash names a failing command's script by its $0, which holds the run id (`fleetcuda:<step>@<run id>`,
+# `fleetcuda-batch@<run id>`), and a line of the whole command (the batch's): both differ from run to run.
+_RUN_LABEL = re.compile(r"(fleetcuda[-:][^\s@:]*)@[0-9a-f]+(?:: (?:eval: )?line \d+)?")
+
+
+def normalised(found: str) -> str:
+    """A check's `found` as history compares it: without run ids and the run's own line numbers, so that the
+    same drift read on another night is the same value."""
+    return _RUN_LABEL.sub(r"\1", found)
 
 
 @dataclass

@@ -4,6 +4,7 @@ through the real CLI (local hosts, real bash)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -112,6 +113,7 @@ def test_redteam3_check_reads_nonce_from_batch_memory_and_forges_its_pass(tmp_pa
         """)
     proc = run_fleetcuda("verify", str(r), "-i", str(i), "--plain", state=tmp_path / "s", timeout=60)
     assert "evil: ok" not in proc.stdout, "a check that exits 1 is reported ok: " + proc.stdout
+    assert re.search(r"evil: (drift|failed) ", proc.stdout), proc.stdout  # (plain verify prints what is not ok)
     assert proc.returncode == 1, proc.stdout
 
 

@@ -1,5 +1,5 @@
-"""Command line: `fleetcuda apply`, `verify`, `doctor`, `discover`, `history`, `cache`, `schedule`, `trust`,
-`wheelhouse`, `export`.
+"""Command line: `fleetcuda apply`, `verify`, `doctor`, `discover`, `history`, `cache`, `prune`, `schedule`,
+`trust`, `wheelhouse`, `export`.
 
 Exit codes: 0 success; 1 a target failed (or drifted, for verify); 2 bad input (inventory,
 recipe, arguments); 3 a target unreachable (and none failed); 130 interrupted.
@@ -18,7 +18,19 @@ import sys
 from typing import IO
 
 from fleetcuda import __version__
-from fleetcuda.cli import apply, cache, discover, doctor, export, history, schedule, trust, verify, wheelhouse
+from fleetcuda.cli import (
+    apply,
+    cache,
+    discover,
+    doctor,
+    export,
+    history,
+    prune,
+    schedule,
+    trust,
+    verify,
+    wheelhouse,
+)
 from fleetcuda.cli.environment import Environment
 from fleetcuda.errors import FleetcudaError, HostKeyError, InputError, UnreachableError
 from fleetcuda.redact import KNOWN, printable, redact_known
@@ -28,7 +40,7 @@ __all__ = ["Environment", "main"]
 
 # In the order `fleetcuda --help` lists them.
 COMMANDS = {"apply": apply, "verify": verify, "history": history, "schedule": schedule, "wheelhouse": wheelhouse,
-            "cache": cache, "doctor": doctor, "discover": discover, "trust": trust, "export": export}
+            "cache": cache, "prune": prune, "doctor": doctor, "discover": discover, "trust": trust, "export": export}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -58,6 +58,9 @@ def add_run_options(sp: argparse.ArgumentParser, env: Environment) -> None:
     sp.add_argument("--forks", type=int, default=8, help="targets run at once (default 8)")
     sp.add_argument("--plain", action="store_true", help="plain timestamped lines even on a terminal")
     sp.add_argument("--show-output", action="store_true", help="stream remote output lines (plain mode)")
+    sp.add_argument("--table", action="store_true",
+                    help="off a terminal or with --plain, print the full table too (default: drift, failures "
+                         "and one summary line)")
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,12 @@ def execute(inputs: RunInputs, mode: str, args: argparse.Namespace, reports: lis
     if console.is_terminal and not args.plain:
         reporter = RichReporter(console)
     else:
-        reporter = PlainReporter(stream=env.stderr if to_stdout else env.stdout, show_output=args.show_output)
+        from fleetcuda.reports.plain import plain_console
+
+        # Plain lines to the end (the summary too, with --plain on a terminal): unwrapped, stamped.
+        stream = env.stderr if to_stdout else env.stdout
+        console = plain_console(stream, env.environ, stderr=to_stdout, clock=env.clock)
+        reporter = PlainReporter(stream=stream, show_output=args.show_output, brief=mode == "verify")
     run_dir = make_run_dir(mode, recipe.name, env.state_dir)
     pool = TransportPool(transport_factory(inputs.inventory))
     lock = TargetLock(run_owner(), wait_s=getattr(args, "lock_wait", 0)) if mode == "apply" else None
@@ -192,10 +200,11 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
     """What a run ends with: the interrupted targets, the table or summary, each report, the history record
     and where the logs are; the exit status (a report that could not be written fails an ok run)."""
     from fleetcuda.redact import printable
-    from fleetcuda.reports.formats import RunInfo, render_table, write_atomically
+    from fleetcuda.reports.formats import RunInfo, render_table, summary_line, write_atomically
     from fleetcuda.reports.history import record
     from fleetcuda.reports.live import summary
     from fleetcuda.results import exit_code
+    from fleetcuda.run.prune import prune_after_run
 
     render_report = reporters()
     recipe, inventory = inputs.recipe, inputs.inventory
@@ -206,10 +215,13 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
     code = exit_code(results, detailed=mode == "check" and getattr(args, "detailed_exitcode", False))
     info = RunInfo(mode=mode, recipe_path=recipe.path, recipe_name=recipe.name, inventory_path=inventory.path,
                    started_at=started, finished_at=env.clock(), exit_code=code, run_dir=str(run_dir))
+    # Off a terminal (cron, a pipe, --plain): drift, failures and one summary line; the table with --table.
+    plain = not console.is_terminal
+    table = not plain or args.table
     if mode == "verify" and args.format == "table":
-        render_table(info, results, console)
+        render_table(info, results, console, table=table)
     else:
-        summary(results, console)
+        summary(results, console, table=table)
     # Each output is written whatever happened to the one before: a report that cannot be written must not
     # cost the history record, nor the history the report.
     for fmt, path in reports:
@@ -228,8 +240,15 @@ def finish(engine: Engine, results: list[TargetResult], inputs: RunInputs, mode:
             record(env.history_path, info, results, on_error=lambda m: env.say(f"fleetcuda: warning: {m}"))
         except Exception as exc:  # sqlite3.Error, OSError: the run's result stands; say what was not kept
             env.say(f"fleetcuda: warning: this run was not recorded in {env.history_path}: {exc}")
-    if not (mode == "verify" and args.format == "table"):  # the table already says where the logs are
-        console.print(f"logs: {run_dir}", markup=False, highlight=False)
+    if mode == "verify" and args.format == "table":
+        pass  # the table's summary line already says where the logs are
+    elif plain:
+        console.print(summary_line(info, results), markup=False, highlight=False)
+    else:
+        console.print(f"logs: {run_dir}", markup=False, highlight=False, soft_wrap=True)
+    # Run-log retention: the runs directory does not grow without end (a nightly job applies it every night).
+    for note in prune_after_run(env.state_dir, keep=run_dir, environ=env.environ):
+        env.say(f"fleetcuda: {note}")
     return code
 
 

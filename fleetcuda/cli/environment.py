@@ -96,15 +96,21 @@ class Environment:
         """An absolute path for `path` as this environment's cwd sees it."""
         return (self.cwd / path).resolve()
 
-    def console(self, *, stderr: bool = False) -> Console:
+    def console(self, *, stderr: bool = False, stamped: bool = False) -> Console:
         """A rich console on stdout (or stderr). Rich decides whether it is a terminal as it always does
         (isatty, FORCE_COLOR, TTY_COMPATIBLE), unless this environment calls a stream a terminal that is none
-        (a test's StringIO): then it is one."""
+        (a test's StringIO): then it is one. Off a terminal it is `reports.plain`'s: nothing wraps, no line ends
+        in spaces, and with `stamped` (a run's progress and summary) each line starts with the date and time."""
         from rich.console import Console  # not at the top: --help and the dry-run never draw
 
         stream, terminal = (self.stderr, self.stderr_is_terminal) if stderr else (self.stdout, self.stdout_is_terminal)
         force = True if terminal and not _is_terminal(stream) else None
-        return Console(file=stream, force_terminal=force, stderr=stderr, _environ=self.environ)
+        console = Console(file=stream, force_terminal=force, stderr=stderr, _environ=self.environ)
+        if console.is_terminal:
+            return console
+        from fleetcuda.reports.plain import plain_console
+
+        return plain_console(stream, self.environ, stderr=stderr, clock=self.clock if stamped else None)
 
     def say(self, text: str) -> None:
         """One line on stderr, 7-bit: whatever bytes a message carries, it cannot garble the terminal."""

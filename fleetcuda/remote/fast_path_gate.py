@@ -154,13 +154,40 @@ def gpu_visible():
         return False
 
 
+def summary(checks, gpu, kernels_run, report):
+    """The whole result in one line, printed last: it is what reports and history show as found."""
+    parts = []
+    if checks.failed:
+        more = f" (and {len(checks.failed) - 1} more)" if len(checks.failed) > 1 else ""
+        parts.append(f"FAIL {checks.failed[0]}{more}")
+    if kernels_run:
+        broken = [f for f in checks.failed if "kernel" in f]
+        parts.append("no GPU visible: kernels not run" if not gpu else
+                     "both kernels ran" if not broken else f"{2 - len(broken)} of 2 kernels ran")
+    if "error" in report:
+        parts.append("transformers not installed: gate not checked")
+    else:
+        modules = list(report["modules"].values())
+        fast = [f for m in modules for f in m.get("fast", {}).values()]
+        flags = [m["is_fast_path_available"] for m in modules if m.get("style") == "flag"]
+        if fast:
+            parts.append(f"{sum(fast)} of {len(fast)} gate functions resolve to causal_conv1d / fla")
+        if flags:
+            parts.append(f"is_fast_path_available in {sum(flags)} of {len(flags)} modules")
+        if not fast and not flags:
+            parts.append(f"transformers {report['version']}: no gate found")
+    return "; ".join(parts)
+
+
 def main(argv):
     reports = bool(take_nonce())
     checks = Checks()
-    gpu = gpu_visible() if "--gate-only" in argv else kernels(checks)
+    gate_only = "--gate-only" in argv
+    gpu = gpu_visible() if gate_only else kernels(checks)
     report = gate(checks, gpu, required=os.environ.get("REQUIRE_TRANSFORMERS") != "false")
     if reports:
         emit_json("gate", report)
+    print(summary(checks, gpu, not gate_only, report))
     return 1 if checks.failed else 0
 
 

@@ -217,3 +217,31 @@ def records(frames: list[Frame]) -> list[Record]:
 def read(output: str, nonce: str) -> list[Record]:
     """Every well-formed record in a command's output that carries this nonce."""
     return records(parse(output, nonce))
+
+
+# -- what a user is shown of framed output ------------------------------------------------------------------
+
+
+class Unframed:
+    """What the target printed, line by line, from one command's output (for `--show-output` and the live
+    view's last line): once a frame of this run has been seen, frames and the blank lines around them are
+    fleetcuda's own and dropped, a payload line (`| ...`) is shown without its prefix; output before any frame (a
+    command that is not framed) is shown as it is; blank lines never."""
+
+    def __init__(self, nonce: str):
+        self.mark = f"{MARK}:{nonce} "
+        self.framed = False
+
+    def __call__(self, line: str) -> str | None:
+        if line.startswith(self.mark):
+            self.framed = True
+            return None
+        if not line.strip():  # (a frame starts on a line of its own: a newline is printed before it)
+            return None
+        if not self.framed:
+            return line
+        while line.startswith("| ") or line == "|":  # a program's own payload inside a check's: both prefixes
+            line = line[2:]
+        if line.startswith(self.mark) or not line.strip():
+            return None
+        return line

@@ -388,22 +388,24 @@ def _styled(status: str) -> Text:
     return Text(status, style=STATUS_STYLE.get(status, ""))
 
 
-def render_table(info: RunInfo, results: list[TargetResult], console: Console) -> None:
-    """Per target and check: status, expected, found, time; then failures' output tails and logs.
+def render_table(info: RunInfo, results: list[TargetResult], console: Console, *, table: bool = True) -> None:
+    """Per target and check: status, expected, found, time (unless `table` is false: off a terminal the table
+    is printed on request); then failures' output tails and logs, and one summary line.
 
     Remote text goes in as rich Text, never as markup, so a `[...]` in a check's output prints as is.
     """
-    table = Table(title=Text(f"{info.mode} {info.recipe_name}"), show_header=True, header_style="bold")
+    grid = Table(title=Text(f"{info.mode} {info.recipe_name}"), show_header=True, header_style="bold")
     for col in ("target", "check", "status", "expected", "found", "time"):
-        table.add_column(col, overflow="fold")
+        grid.add_column(col, overflow="fold")
     for result in results:
         if not result.steps:
-            table.add_row(Text(result.target), Text(""), _styled(result.status), Text(""),
+            grid.add_row(Text(result.target), Text(""), _styled(result.status), Text(""),
                           Text(result.error or ""), Text(f"{result.duration:.1f}s"))
         for i, step in enumerate(result.steps):
-            table.add_row(Text(result.target if i == 0 else ""), Text(step.name), _styled(step.status),
+            grid.add_row(Text(result.target if i == 0 else ""), Text(step.name), _styled(step.status),
                           Text(step.expected), Text(step.found), Text(f"{step.duration:.1f}s"))
-    console.print(table)
+    if table:
+        console.print(grid)
     for result in results:
         blocks: list[Text] = []
         for step in result.steps:
@@ -422,9 +424,13 @@ def render_table(info: RunInfo, results: list[TargetResult], console: Console) -
                                         f": {result.error}"))
         if blocks and result.log:
             blocks.append(Text(f"    full log: {result.log}"))
-        if blocks:
-            console.print(Group(*blocks), highlight=False)
-    summary = ", ".join(f"{n} {s}" for s, n in _counts((r.status for r in results), TARGET_STATUSES).items() if n)
-    console.print(Text(f"{len(results)} target(s): {summary or 'none'}; exit {info.exit_code}; "
-                       f"{info.duration_s:.1f}s" + (f"; logs: {info.run_dir}" if info.run_dir else "")),
-                  highlight=False)
+        if blocks:  # unwrapped by rich (the terminal wraps it): a path stays one piece to copy
+            console.print(Group(*blocks), highlight=False, soft_wrap=True)
+    console.print(Text(summary_line(info, results)), highlight=False, soft_wrap=True)
+
+
+def summary_line(info: RunInfo, results: list[TargetResult]) -> str:
+    """A run in one line: its mode and recipe, targets by status, the exit status, how long, where the logs are."""
+    counts = ", ".join(f"{n} {s}" for s, n in _counts((r.status for r in results), TARGET_STATUSES).items() if n)
+    return (f"{info.mode} {info.recipe_name}: {len(results)} target(s): {counts or 'none'}; exit {info.exit_code}; "
+            f"{info.duration_s:.1f}s" + (f"; logs: {info.run_dir}" if info.run_dir else ""))

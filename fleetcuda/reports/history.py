@@ -30,7 +30,7 @@ from rich.text import Text
 from fleetcuda.errors import FleetcudaError, InputError
 from fleetcuda.reports.formats import FAILING, RunInfo, iso_utc
 from fleetcuda.reports.live import STATUS_STYLE
-from fleetcuda.results import TargetResult
+from fleetcuda.results import TargetResult, normalised
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 30.0
@@ -502,8 +502,9 @@ def _step_changes(old: dict[str, tuple[str, str]],
             else:
                 kind = "status"
             out.append((step, kind, old_status, new_status))
-        # A skipped check prints nothing: its empty found is no news.
-        if old_found != new_found and "skipped" not in (old_status, new_status):
+        # A skipped check prints nothing: its empty found is no news. Run ids and the batch's line numbers
+        # (in values recorded before found named the step's own line) are no news either.
+        if normalised(old_found) != normalised(new_found) and "skipped" not in (old_status, new_status):
             out.append((step, "found", old_found, new_found))
     return out
 

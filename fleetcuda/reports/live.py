@@ -9,12 +9,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from fleetcuda.reports.plain import stamp
 
 if TYPE_CHECKING:
     from rich.live import Live
@@ -44,18 +45,21 @@ class Reporter:
 
 
 class PlainReporter(Reporter):
-    """One timestamped line per event: for cron, CI and pipes."""
+    """One timestamped line per event: for cron, CI and pipes. `brief` (verify): what is not fine and each
+    target's result, not every step that started or passed; the failures' details and one summary line follow
+    the run."""
 
-    def __init__(self, stream: TextIO | None = None, show_output: bool = False):
+    def __init__(self, stream: TextIO | None = None, show_output: bool = False, brief: bool = False):
         from fleetcuda.reports.streams import guarded
 
         self.stream = guarded(stream or sys.stdout)  # a reader that left stops the lines, never the run
         self.show_output = show_output
+        self.brief = brief
         self.lock = threading.Lock()
 
     def _line(self, text: str) -> None:
         with self.lock:
-            self.stream.write(f"{datetime.now(UTC).strftime('%H:%M:%S')} {text}\n")
+            self.stream.write(f"{stamp()} {text}\n")
             self.stream.flush()
 
     def start(self, mode: str, recipe: str, targets: list[str]) -> None:
@@ -66,14 +70,16 @@ class PlainReporter(Reporter):
         self._line(f"{name}: {', '.join(targets)}")
 
     def step_started(self, target: str, step: str, phase: str) -> None:
-        self._line(f"{target} {step}: {phase}")
+        if not self.brief:
+            self._line(f"{target} {step}: {phase}")
 
     def output(self, target: str, step: str, line: str) -> None:
         if self.show_output:
             self._line(f"{target} {step} | {line}")
 
     def step_finished(self, target: str, result: StepResult) -> None:
-        self._line(f"{target} {result.name}: {result.status} ({result.detail}, {result.duration:.1f}s)")
+        if not self.brief or result.status not in ("ok", "skipped"):
+            self._line(f"{target} {result.name}: {result.status} ({result.detail}, {result.duration:.1f}s)")
 
     def target_finished(self, result: TargetResult) -> None:
         extra = f": {result.error}" if result.error else ""
@@ -81,6 +87,39 @@ class PlainReporter(Reporter):
 
     def notice(self, target: str, text: str) -> None:
         self._line(f"{target}: {text}")
+
+
+LIVE_COLUMNS = ("target", "status", "step", "elapsed", "last output")
+LAST_OUTPUT_MAX = 60
+NARROWEST = 8  # a column that would get fewer characters gives way altogether
+
+
+def column_widths(rows: list[dict[str, str]], width: int) -> dict[str, int]:
+    """The live table's columns and their widths for a terminal `width` columns wide: target, status and
+    elapsed keep their full width; when the table does not fit, the last output gives way first (shrinks,
+    then goes), then the step. Two columns are left free: the terminal echoes Ctrl-C as `^C` after the table's last
+    line, and a line it wrapped would push the table's top border out of the region the live view clears."""
+    from rich.cells import cell_len
+
+    need = {col: max([cell_len(col), *(cell_len(r[col]) for r in rows)]) for col in LIVE_COLUMNS}
+    need["last output"] = min(need["last output"], LAST_OUTPUT_MAX)
+    room = width - 2
+
+    def total(widths: dict[str, int]) -> int:  # each column: its text, a space either side, a border
+        return sum(widths.values()) + 3 * len(widths) + 1
+
+    widths = dict(need)
+    for col in ("last output", "step"):
+        over = total(widths) - room
+        if over > 0:
+            if widths[col] - over >= NARROWEST:
+                widths[col] -= over
+            else:
+                del widths[col]
+    over = total(widths) - room
+    if over > 0:  # a terminal too narrow even for these: the target's name is cut last
+        widths["target"] = max(1, widths["target"] - over)
+    return widths
 
 
 class RichReporter(Reporter):
@@ -102,17 +141,22 @@ class RichReporter(Reporter):
         self.live.start()
 
     def _table(self) -> Table:
-        table = Table(show_header=True, header_style="bold", expand=False)
-        for col in ("target", "status", "step", "elapsed", "last output"):
-            table.add_column(col, overflow="ellipsis", no_wrap=True, max_width=60 if col == "last output" else None)
         now = time.monotonic()
+        rows = []
         with self.lock:
             for t, row in self.rows.items():
                 status = str(row["status"])
                 elapsed = f"{now - float(row['since']):.0f}s" if status == "running" else ""  # type: ignore[arg-type]
-                style = STATUS_STYLE.get(status, "")
-                table.add_row(Text(t), Text(status, style=style), Text(str(row["step"])), elapsed,
-                              Text(str(row["last"])))
+                rows.append({"target": t, "status": status, "step": str(row["step"]), "elapsed": elapsed,
+                             "last output": str(row["last"])})
+        widths = column_widths(rows, self.console.width)
+        table = Table(show_header=True, header_style="bold", expand=False)
+        for col, width in widths.items():
+            table.add_column(col, overflow="ellipsis", no_wrap=True, width=width)
+        for row in rows:
+            cells = {col: Text(text) for col, text in row.items()}
+            cells["status"].stylize(STATUS_STYLE.get(row["status"], ""))
+            table.add_row(*(cells[col] for col in widths))
         return table
 
     def batch_started(self, name: str, targets: list[str]) -> None:
@@ -150,16 +194,18 @@ class RichReporter(Reporter):
             self.live = None
 
 
-def summary(results: list[TargetResult], console: Console) -> None:
-    """Final per-target table, then the failures with their output tail and log path."""
-    table = Table(title="summary", show_header=True, header_style="bold")
-    for col in ("target", "result", "changed", "steps", "time"):
-        table.add_column(col)
-    for r in results:
-        style = STATUS_STYLE.get(r.status, "")
-        table.add_row(Text(r.target), Text(str(r.status), style=style), str(r.changed), str(len(r.steps)),
-                      f"{r.duration:.1f}s")
-    console.print(table)
+def summary(results: list[TargetResult], console: Console, *, table: bool = True) -> None:
+    """Final per-target table (unless `table` is false: off a terminal it is printed on request), then the
+    failures with their output tail and log path."""
+    if table:
+        grid = Table(title="summary", show_header=True, header_style="bold")
+        for col in ("target", "result", "changed", "steps", "time"):
+            grid.add_column(col)
+        for r in results:
+            style = STATUS_STYLE.get(r.status, "")
+            grid.add_row(Text(r.target), Text(str(r.status), style=style), str(r.changed), str(len(r.steps)),
+                         f"{r.duration:.1f}s")
+        console.print(grid)
     for r in results:
         for s in r.steps:
             if s.status in ("failed", "drift"):
@@ -179,7 +225,7 @@ def summary(results: list[TargetResult], console: Console) -> None:
         if r.error and r.status != "not-run":
             console.print(Text.assemble((r.target, "bold red"), f": {r.status}: {r.error}"), highlight=False)
         if r.status in ("failed", "unreachable", "drift", "interrupted", "locked") and r.log:
-            console.print(f"    full log: {r.log}", markup=False, highlight=False)
+            console.print(f"    full log: {r.log}", markup=False, highlight=False, soft_wrap=True)
     # A stopped rollout: one line per reason, not one per target of a large fleet.
     not_run: dict[str, list[str]] = {}
     for r in results:

@@ -25,7 +25,9 @@ from fleetcuda.plan.inventory import Target
 from fleetcuda.plan.planner import Plan
 from fleetcuda.plan.recipe import Recipe
 from fleetcuda.redact import Redactor, printable
+from fleetcuda.remote.framing import Unframed
 from fleetcuda.reports.live import Reporter
+from fleetcuda.run.logtext import by_reference
 
 # Phases whose commands are read-only: after a dropped connection they are sent once more, on a new one.
 SAFE_TO_RETRY = {"check", "verify", "read", "acquire", "fingerprint"}
@@ -133,14 +135,17 @@ class TargetChannel(Transport):
         redact = self.redact
         tid = self.target.id
         self.ctx.reporter.step_started(tid, step, phase)
-        self.log.write(f"\n## {now()} {step} {phase}\n$ {redact(cmd.display)}\n")
+        self.log.write(f"\n## {now()} {step} {phase}\n$ {redact(by_reference(cmd.display))}\n")
+
+        shown = Unframed(self.ctx.nonce)  # what the target printed, without fleetcuda's frames
 
         def on_line(line: str) -> None:
             if hold_output:
                 return
             line = redact(line)
             self.log.write(line + "\n")
-            self.ctx.reporter.output(tid, step, line)
+            if (text := shown(line)) is not None:
+                self.ctx.reporter.output(tid, step, text)
 
         transport = self.transport
         # A dropped connection is retried (once, on a new connection) only where that is safe: read-only
@@ -171,7 +176,7 @@ class TargetChannel(Transport):
 
     def exec_always(self, step: str, phase: str, cmd: BuiltCommand) -> RunResult:
         """Cleanup that must run even after Ctrl-C (it is short and bounded)."""
-        self.log.write(f"\n## {now()} {step} {phase}\n$ {cmd.display}\n")
+        self.log.write(f"\n## {now()} {step} {phase}\n$ {by_reference(cmd.display)}\n")
         with purpose(self.target.id, step, phase):
             res = self.transport.run(cmd, timeout=60, on_line=lambda line: self.log.write(printable(line) + "\n"))
         self.log.write(f"## exit {res.rc} after {res.duration:.2f}s\n")
@@ -182,7 +187,7 @@ class TargetChannel(Transport):
     def run(self, cmd: BuiltCommand, *, timeout: float | None, on_line: OnLine) -> RunResult:
         """A transfer's helper command (mktemp, pct push/pull, rm): logged under the step it serves."""
         redact = self.redact
-        self.log.write(f"\n## {now()} {self.step} transfer\n$ {redact(cmd.display)}\n")
+        self.log.write(f"\n## {now()} {self.step} transfer\n$ {redact(by_reference(cmd.display))}\n")
 
         def logged(line: str) -> None:
             self.log.write(redact(line) + "\n")

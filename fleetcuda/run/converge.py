@@ -18,11 +18,13 @@ from fleetcuda.run.batching import batched_checks
 from fleetcuda.run.channel import Interrupted, RunContext, TargetChannel
 from fleetcuda.run.diagnosis import (
     ending,
+    expected,
     failed,
     found,
     free_space,
     maybe_unreachable,
     network_failure,
+    readable,
     stopped,
     tail,
     timed_out,
@@ -65,7 +67,7 @@ class Converger:
                 sr = self._converge(channel, step, pre, would_change)
                 if sr.status == StepStatus.WOULD_CHANGE:
                     would_change.append(step.name)
-            sr = self._redacted(channel, sr, step.expect)
+            sr = self._redacted(channel, sr, expected(step))
             result.steps.append(sr)
             self.ctx.reporter.step_finished(tid, sr)
             if sr.status == StepStatus.FAILED:
@@ -84,7 +86,7 @@ class Converger:
         if len(would_change) > len(last):
             names += f" (and {len(would_change) - len(last)} earlier step(s))"
         return StepResult(step.name, StepStatus.UNKNOWN, time.monotonic() - start,
-                          f"depends on {names}, which would change", tail(res.output), found=found(res.output))
+                          f"depends on {names}, which would change", tail(res.output), found=found(res.output, step))
 
     @staticmethod
     def _redacted(channel: TargetChannel, sr: StepResult, expect: str) -> StepResult:
@@ -96,7 +98,8 @@ class Converger:
     def _converge(self, channel: TargetChannel, step: PlannedStep, pre: RunResult | None,
                   would_change: list[str]) -> StepResult:
         target = channel.target
-        start = time.monotonic()
+        # A check answered in the batch took its time there: the step's time includes it.
+        start = time.monotonic() - (pre.duration if pre is not None else 0.0)
         if step.check is not None or (pre is not None and step.apply is None):
             res = pre or channel.exec(step.name, "check", step.check, step.timeout)  # type: ignore[arg-type]
             if res.rc == 0:
@@ -115,7 +118,7 @@ class Converger:
         if self.ctx.mode == "check":
             return StepResult(step.name, StepStatus.WOULD_CHANGE, time.monotonic() - start,
                               "check not satisfied", tail(res.output), would_run=step.summary or step.apply.display,
-                              found=found(res.output))
+                              found=found(res.output, step))
         done = "applied and verified"
         if step.shared is not None:
             res, done = self.shared.apply(channel, step)
@@ -147,13 +150,14 @@ class Converger:
         res = pre or channel.exec(step.name, "verify", cmd, step.timeout)
         took = res.duration if pre else time.monotonic() - start
         if res.rc == 0:
-            return StepResult(step.name, StepStatus.OK, took, "verified", found=found(res.output))
+            return StepResult(step.name, StepStatus.OK, took, "verified", found=found(res.output, step))
         maybe_unreachable(res, channel.target)
+        lines = [readable(line, step) for line in tail(res.output)]
         if timed_out(res, step.timeout) or res.rc == 137:  # no answer (out of time, or killed): so not drift
             return StepResult(step.name, StepStatus.FAILED, took, f"verification {ending(res, step.timeout)}",
-                              tail(res.output), found=found(res.output))
-        return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", tail(res.output),
-                          found=found(res.output))
+                              lines, found=found(res.output, step))
+        return StepResult(step.name, StepStatus.DRIFT, took, "verification failed", lines,
+                          found=found(res.output, step))
 
 
 def _unplanned(step: PlannedStep, result: TargetResult) -> StepResult:

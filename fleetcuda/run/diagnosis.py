@@ -125,9 +125,51 @@ def failed(step: PlannedStep, phase: str, res: RunResult, start: float, why: str
     return StepResult(step.name, StepStatus.FAILED, time.monotonic() - start, f"{phase}: {why}", tail(res.output))
 
 
-def found(output: str) -> str:
+def found(output: str, step: PlannedStep | None = None) -> str:
+    """What the check saw: its last line (programs that print many end with a summary), said as `readable`."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
+    if not lines:
+        return ""
+    return (readable(lines[-1], step) if step is not None else lines[-1])[:300]
+
+
+# bash's own error messages: `<$0>: [eval: ]line <N>: <command>: <what>`, $0 a run's label.
+_BASH_ERROR = re.compile(r"^fleetcuda[-:][^\s@:]*@[0-9a-f]+: (?:eval: )?(?:line (\d+): )?")
+
+
+def _values(step: PlannedStep) -> dict[str, str]:
+    probe = step.verify_probe or step.pre_probe
+    return dict(probe.shell_vars) if probe is not None else {}
+
+
+def resolve(text: str, values: dict[str, str]) -> str:
+    """`text` with each reference to a step's shell variable (`"${fc_x}"`, `${fc_x}`, `$fc_x`) replaced by its
+    value: what a report says names the path or version, not the variable the script used."""
+    for name, value in sorted(values.items(), key=lambda kv: len(kv[0]), reverse=True):
+        text = text.replace(f'"${{{name}}}"', value).replace(f"${{{name}}}", value)
+        text = re.sub(rf"\${re.escape(name)}(?!\w)", lambda _m, v=value: v, text)
+    return text
+
+
+def readable(line: str, step: PlannedStep) -> str:
+    """A line of a step's output as reports and history keep it: variables resolved, and bash's error prefix
+    (the run's label, a line of the whole batch) replaced by the step's name and the line of its own script
+    that runs the failing command, so the same failure reads the same every run."""
+    values = _values(step)
+    line = resolve(line, values)
+    m = _BASH_ERROR.match(line)
+    if m is None:
+        return line
+    rest = line[m.end():]
+    command = rest.split(": ", 1)[0].strip()
+    probe = step.verify_probe or step.pre_probe
+    script = resolve(probe.script, values).splitlines() if probe is not None else []
+    own = next((i for i, text in enumerate(script, 1) if command and command in text), None)
+    return f"{step.name}: line {own}: {rest}" if own else f"{step.name}: {rest}"
+
+
+def expected(step: PlannedStep) -> str:
+    return resolve(step.expect, _values(step))
 
 
 def tail(output: str) -> list[str]:
