@@ -115,7 +115,7 @@ def converge_recipe(tmp_path: Path) -> Path:
     (["wheelhouse"], "the following arguments are required: wheelhouse_command"),
     (["wheelhouse", "push"], "the following arguments are required: dir"),
     (["doctor", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
-    (["trust"], "the following arguments are required: host"),
+    (["trust"], "the following arguments are required: HOST"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_a_usage_error_is_exit_2_with_usage_on_stderr(cli: Cli, argv: list[str], says: str) -> None:
     got = cli(*argv)

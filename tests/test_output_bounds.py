@@ -60,9 +60,9 @@ def test_a_batched_check_with_a_huge_output_costs_bounded_memory_and_log(tmp_pat
               {LINE} | head -c 40000000; echo; echo the end
         """, "verify")
     assert rc == 0, out
-    assert "all-steps: verify" in out  # it was batched
     assert rss < MAX_RSS_MB, f"{rss} MB"
     text = log.read_text()
+    assert "all-steps" in text  # it was batched
     assert log.stat().st_size < MAX_LOG
     # The batch said what it dropped of the check (on the target), and the check's last line is its answer.
     assert re.search(r"\| \[\.\.\. \d+ bytes dropped \.\.\.\]", text)
@@ -78,7 +78,7 @@ def test_a_check_alone_with_a_huge_output_costs_bounded_memory_and_log(tmp_path:
               {LINE} | head -c 40000000; echo; echo the end
         """, "verify")
     assert rc == 0, out
-    assert "loud: ok" in out
+    assert "1 target(s): 1 ok" in out or "loud: ok" in out, out
     assert rss < MAX_RSS_MB, f"{rss} MB"
     assert log.stat().st_size < MAX_LOG
     m = re.search(r"^\[\.\.\. (\d+) bytes dropped \.\.\.\]$", log.read_text(), re.M)
