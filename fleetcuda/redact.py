@@ -26,8 +26,11 @@ HEAD = 16
 # userinfo is what comes before its last `@`, and the password what follows the userinfo's first `:`.
 _SCHEME_END = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://\Z")
 _AUTHORITY_END = re.compile(r"[/?#\s]")
-_HOST_START = re.compile(r"[A-Za-z0-9\[_$%{]")  # a host name, an address, or a variable a script expands
-_NOT_USER = re.compile(r"[\"'<>,]")  # `{"a":"https://h","b":"u:p@h"}`: no user; a password may hold them
+# What can start a host after the `@` (any name, an address, a variable a script expands; not a quote, a space or
+# what ends an authority), and what no user name holds (RFC 3986 allows `'` and `,` in one): `{"a":"https://h",
+# "b":"u:p@h"}` has no user; a password may hold them all.
+_HOST_START = re.compile(r"[^\s\"<>@/?#`]")
+_NOT_USER = re.compile(r"[\"<>\s]")
 _REFERENCE = re.compile(r"""(["']?)\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)\1""")
 MAX_AUTHORITY = 4096  # bounded: a line of `a://a://...` costs linear time, not quadratic
 
@@ -75,12 +78,19 @@ def secret_values(variables: Mapping[str, str]) -> list[str]:
     return [v for k, v in variables.items() if SECRET_NAME.search(k) and len(v) >= MIN_SECRET]
 
 
+_BASH_Q = re.compile(r"""([ \t'"$`\\|&;()<>!{}*\[\]?^,])""")
+
+
 def shown_forms(secret: str) -> set[str]:
     """The ways a message, a log or a report can spell a secret: as it is, quoted by Python's repr (either
-    quote), escaped for JSON, and as printable() shows it."""
+    quote), escaped for JSON, as printable() shows it, as bash shows a word (`set -x`: 'a'\\''b'; printf %q:
+    a\\'b) and percent-encoded (in a URL or a form)."""
+    from urllib.parse import quote, quote_plus
+
     body = repr(secret)[1:-1]
     return {secret, body, body.replace("\\'", "'"), body.replace('"', '\\"'), json.dumps(secret)[1:-1],
-            json.dumps(secret, ensure_ascii=False)[1:-1], printable(secret)}
+            json.dumps(secret, ensure_ascii=False)[1:-1], printable(secret), secret.replace("'", "'\\''"),
+            _BASH_Q.sub(r"\\\1", secret), quote(secret, safe=""), quote_plus(secret, safe="")}
 
 
 class Redactor:

@@ -132,3 +132,47 @@ def test_a_usage_error_does_not_quote_a_url_password(cli: Cli, local: Path) -> N
     got = cli("apply", "r.yaml", "-i", local, "--forks", INDEX)
     assert got.code == 2 and "--forks" in got.err
     assert "wordXY9" not in got.err and "https://user:***@pypi.example.com/simple" in got.err
+
+
+# The second attack on these promises (issue 22, after the fixes): a secret in a bad --var, in argparse's usage
+# error, in a URL whose user name holds `'` or `,`, and as bash spells it (`set -x`, `printf %q`).
+SECRET = "hunter2secretXYZ"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--var", f"db_password={SECRET}\udcff"],  # not UTF-8 (a lone surrogate from argv)
+    ["--var", f"db_password={SECRET}\x00"],
+    ["--var", f"db-password={SECRET}"],  # a name that is no variable's
+    ["--varr", f"db_password={SECRET}"],  # argparse: unrecognized arguments
+    ["--forks", f"db_password={SECRET}"],  # argparse: invalid int value
+    [f"--token={SECRET}"],
+])
+def test_a_bad_command_line_never_quotes_a_value(cli: Cli, local: Path, tmp_path: Path,  # noqa: F811
+                                                 argv: list[str]) -> None:
+    recipe = write(tmp_path / "r.yaml", "name: r\nsteps:\n  - name: s\n    check: 'true'\n")
+    got = cli("apply", recipe, "-i", local, "--dry-run", *argv)
+    assert got.code == 2, got.err
+    assert SECRET not in everything(cli, got.out, got.err), got.err
+
+
+@pytest.mark.parametrize("url", ["https://o'neil:UrlPassw0rdQQQ@h/x", "https://a,b:UrlPassw0rdQQQ@h/x",
+                                 "https://u:UrlPassw0rdQQQ@\u00e9xample.com/x", "https://u:UrlPassw0rdQQQ@-h/x"])
+def test_a_url_password_is_found_whatever_the_user_and_host(cli: Cli, local: Path, tmp_path: Path,  # noqa: F811
+                                                            url: str) -> None:
+    recipe = write(tmp_path / "r.yaml", "name: r\nvars:\n  mirror_url: x\nsteps:\n  - name: s\n"
+                                        "    check: echo \"{{ mirror_url }}\"; false\n")
+    got = cli("verify", recipe, "-i", local, "--plain", "--var", f"mirror_url={url}", "--format", "json",
+              "--output", str(tmp_path / "rep.json"))
+    assert got.code == 1, got.out + got.err
+    assert "UrlPassw0rdQQQ" not in everything(cli, got.out, got.err, (tmp_path / "rep.json").read_text())
+
+
+def test_a_secret_as_bash_spells_it_is_masked(cli: Cli, local: Path, tmp_path: Path) -> None:  # noqa: F811
+    recipe = write(tmp_path / "r.yaml", "name: r\nsecrets: [db_password]\nvars:\n  db_password: \"Tr0ub4dor'3xyzQ\"\n"
+                   "steps:\n  - name: s\n    check: |\n      set -x; : --password \"{{ db_password }}\"\n"
+                   "      printf '%q\\n' \"{{ db_password }}\"; printf '%s\\n' 'Tr0ub4dor%273xyzQ'; false\n")
+    got = cli("verify", recipe, "-i", local, "--plain", "--show-output", "--format", "json", "--output",
+              str(tmp_path / "rep.json"))
+    assert got.code == 1, got.out + got.err
+    seen = everything(cli, got.out, got.err, (tmp_path / "rep.json").read_text())
+    assert "3xyzQ" not in seen, [ln for ln in seen.splitlines() if "3xyzQ" in ln]

@@ -48,6 +48,7 @@ class _Parser(argparse.ArgumentParser):
     (`_parser_class`), so that every subparser, made as type(parent), writes to the same streams."""
 
     env: Environment
+    argv_words: tuple[str, ...] = ()  # the command line, whose NAME=VALUE values an error never quotes
 
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if not message:
@@ -66,17 +67,23 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(self.env.stderr)
-        # An argument's value is quoted here (`invalid int value: '...'`): never a URL's password nor a control code.
+        # An argument's value is quoted here (`invalid int value: '...'`, `unrecognized arguments: ...`): never a
+        # URL's password nor a control code, and of a NAME=VALUE word (`--varr db_password=...`, `--token=...`)
+        # never the value: nothing has said yet which values are secrets.
+        for word in sorted(self.argv_words, key=len, reverse=True):
+            name, sep, value = word.partition("=")
+            if sep and value:
+                message = message.replace(word, name + "=***")
         print(f"fleetcuda: error: {printable(redact_known(message))}", file=self.env.stderr)
         sys.exit(ExitStatus.INPUT)
 
 
-def _parser_class(env: Environment) -> type[_Parser]:
-    return type("_Parser", (_Parser,), {"env": env})
+def _parser_class(env: Environment, argv: list[str] | None = None) -> type[_Parser]:
+    return type("_Parser", (_Parser,), {"env": env, "argv_words": tuple(argv or ())})
 
 
-def build_parser(env: Environment) -> argparse.ArgumentParser:
-    parser_class = _parser_class(env)
+def build_parser(env: Environment, argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser_class = _parser_class(env, argv)
     p = parser_class(prog="fleetcuda", description="Provision and verify CUDA build toolchains in Proxmox LXC "
                                                    "containers over SSH.")
     p.add_argument("--version", action="version", version=f"fleetcuda {__version__}")
@@ -132,7 +139,7 @@ def _silence(stream: IO[str]) -> None:
 
 
 def _main(argv: list[str] | None, env: Environment) -> ExitStatus:
-    args = build_parser(env).parse_args(argv)
+    args = build_parser(env, argv if argv is not None else sys.argv[1:]).parse_args(argv)
     if getattr(args, "limit", None) is not None and not args.limit.strip(" ,\t"):
         # `--limit "$HOSTS"` with HOSTS unset must not mean every target.
         raise InputError("--limit", None, repr(args.limit), "is empty: name hosts, groups, containers or globs")

@@ -135,15 +135,16 @@ def _check_references(recipe: Recipe) -> None:
 def parse_var_overrides(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
+        name, sep, value = item.partition("=")
+        # What is said of a bad --var names it by what stands before `=`, never its value: a value may be a secret,
+        # and nothing has said yet which values are.
+        shown = (name[:40] if name[:40].isprintable() else ascii(name[:40])) + ("=..." if sep else "")
         if bad := _UNCARRIABLE.search(item):
             # Bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape); NUL cannot, but a caller
             # of this function could pass one. Neither can be put in a command.
-            shown = ascii(item[:40])
             why = "is not UTF-8 text" if bad.group() != "\x00" else "contains a NUL character"
             raise InputError("--var", None, shown, f"{why}; expected NAME=VALUE with NAME like cuda_version")
-        name, sep, value = item.partition("=")
         if not sep or not VAR_NAME_RE.fullmatch(name):
-            shown = item[:40] if item[:40].isprintable() else ascii(item[:40])
             raise InputError("--var", None, shown, "expected NAME=VALUE with NAME like cuda_version")
         if name in BUILTIN_VARS:
             raise InputError("--var", None, name, "set by fleetcuda for each target; cannot be overridden")
