@@ -170,3 +170,23 @@ def test_a_batched_checks_output_is_whole_up_to_its_cap_then_head_dropped_count_
     assert whole.startswith(head) and whole.rstrip("\n").endswith("\n" + tail)
     assert len(head) + count + len(tail) + 1 == len(whole)  # (the head ends within a line: a newline is added)
     assert len(out) < 2 * 65536 + 100
+
+
+@pytest.mark.parametrize("stream", ["", ">&2"])
+def test_nul_output_escaped_for_the_log_stays_bounded(tmp_path: Path, stream: str) -> None:
+    """NUL bytes are logged as `\\x00`, four characters each: the log's bound holds for what it writes (the second
+    attack: 20 MB of NULs wrote a 4.5 MB log and a 262 KB console line)."""
+    rc, rss, out, log = _run(tmp_path, f"""\
+        name: r
+        steps:
+          - name: zeros
+            verify: |
+              head -c 20000000 /dev/zero {stream}; false
+        """, "verify")
+    assert rc == 1, out
+    from fleetcuda.run.channel import LOG_BUDGET
+
+    assert log.stat().st_size < LOG_BUDGET + 64 * 1024, log.stat().st_size
+    assert "characters of escaped output not logged" in log.read_text()
+    assert max(len(line) for line in out.splitlines()) < 2000, max(len(line) for line in out.splitlines())
+    assert rss < MAX_RSS_MB, f"{rss} MB"

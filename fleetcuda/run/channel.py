@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-from fleetcuda.connectors.base import OnLine, RunResult, Transport, TransportPool, purpose
+from fleetcuda.connectors.base import KEEP_TAIL, LOG_HEAD, OnLine, RunResult, Transport, TransportPool, purpose
 from fleetcuda.errors import HostKeyError, UnreachableError
 from fleetcuda.plan.command import BuiltCommand
 from fleetcuda.plan.inventory import Target
@@ -28,6 +28,10 @@ from fleetcuda.redact import Redactor, printable
 from fleetcuda.remote.framing import Unframed
 from fleetcuda.reports.live import Reporter
 from fleetcuda.run.logtext import by_reference
+
+# The most characters one command's output may take in its log, once escaped: the streamed head and the tail,
+# with room for escapes (see exec).
+LOG_BUDGET = 2 * LOG_HEAD + 4 * KEEP_TAIL
 
 # Phases whose commands are read-only: after a dropped connection they are sent once more, on a new one.
 SAFE_TO_RETRY = {"check", "verify", "read", "acquire", "fingerprint"}
@@ -138,11 +142,18 @@ class TargetChannel(Transport):
         self.log.write(f"\n## {now()} {step} {phase}\n$ {redact(by_reference(cmd.display))}\n")
 
         shown = Unframed(self.ctx.nonce)  # what the target printed, without fleetcuda's frames
+        # The connector bounds what it hands on in characters as they came (connectors.base.LOG_HEAD); escaped for
+        # the log (a NUL is `\x00`) they can be four times as long: the log takes at most LOG_BUDGET of them.
+        logged = [0, 0]  # characters written, characters not
 
         def on_line(line: str) -> None:
             if hold_output:
                 return
             line = redact(line)
+            if logged[0] + len(line) > LOG_BUDGET:
+                logged[1] += len(line) + 1
+                return
+            logged[0] += len(line) + 1
             self.log.write(line + "\n")
             if (text := shown(line)) is not None:
                 self.ctx.reporter.output(tid, step, text)
@@ -167,6 +178,8 @@ class TargetChannel(Transport):
                     time.sleep(1)
         finally:
             self.ctx.running.pop(tid, None)
+        if logged[1]:
+            self.log.write(f"# [... {logged[1]} characters of escaped output not logged: over {LOG_BUDGET} ...]\n")
         # What ends up in results (tails, found) and so in reports and history: redacted too.
         res = RunResult(res.rc, redact(res.output), res.duration, res.timed_out)
         self.log.write(f"## exit {res.rc}{' (timed out)' if res.timed_out else ''} after {res.duration:.2f}s\n")

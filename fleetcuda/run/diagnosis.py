@@ -172,5 +172,9 @@ def expected(step: PlannedStep) -> str:
     return resolve(step.expect, _values(step))
 
 
+TAIL_LINE_MAX = 500  # characters of one line of a tail: what a console line, a report or history can hold
+
+
 def tail(output: str) -> list[str]:
-    return output.rstrip("\n").splitlines()[-TAIL_LINES:]
+    return [ln if len(ln) <= TAIL_LINE_MAX else ln[:TAIL_LINE_MAX] + f" [... {len(ln) - TAIL_LINE_MAX} more characters]"
+            for ln in output.rstrip("\n").splitlines()[-TAIL_LINES:]]
