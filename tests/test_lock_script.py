@@ -160,3 +160,45 @@ def test_the_lock_names_the_run_it_stands_for() -> None:
     assert TargetLock(OWNER, run_id="abcd1234").owner == f"{OWNER} run abcd1234"
     assert "fleetcuda_lock_acquire fleetcuda-apply-7 " f"'{OWNER} run abcd1234' 0 " in \
         TargetLock(OWNER, run_id="abcd1234").acquire(7)
+
+
+def _detached_worker(run: str) -> int:
+    """A step, started as fleetcuda starts one, that leaves a worker which renamed and detached itself
+    (`setsid`, `exec -a`): its cmdline carries no label; the pid of the worker."""
+    from fleetcuda.plan.command import Invocation, target_argv
+
+    script = "setsid bash -c 'exec -a worker sleep 60' </dev/null >/dev/null 2>&1 &\necho $!"
+    out = subprocess.run(target_argv(Invocation(script, {"PATH": "/usr/bin:/bin"}, timeout=None,
+                                                label=f"fleetcuda:daemon@{run}")),
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    pid = int(out.split()[0])
+    deadline = time.monotonic() + 10
+    while b"worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return pid
+
+
+def test_a_worker_that_renamed_and_detached_itself_still_keeps_the_lock_and_is_stopped(tmp_path: Path,
+                                                                                         vmid: int) -> None:
+    """The second attack: a step's `setsid` + `exec -a` child escaped the label, so the lock was taken over
+    and a Ctrl-C stopped nothing while it ran on. The label it inherited in its environment finds it."""
+    from fleetcuda.plan.command import stop_invocation, target_argv
+
+    run = secrets.token_hex(4)
+    lock = take(vmid, tmp_path, run)
+    pid = _detached_worker(run)
+    try:
+        rc, frames = lock_call(TargetLock("bob run feedf00d").take_over(vmid, lock.owner), tmp_path)
+        assert lock_state(frames)[0] == "kept", words(frames)
+        stop = subprocess.run(target_argv(stop_invocation(f"fleetcuda:daemon@{run}")), capture_output=True,
+                              text=True, timeout=60)
+        assert "stopped 1 process(es)" in stop.stdout, stop.stdout + stop.stderr
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the worker still runs"
+            time.sleep(0.05)
+    finally:
+        subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+    rc, frames = lock_call(TargetLock("bob run feedf00d").take_over(vmid, lock.owner), tmp_path)
+    assert lock_state(frames)[0] == "taken-over"

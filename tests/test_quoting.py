@@ -133,6 +133,6 @@ def test_sudo_and_local_chains() -> None:
     assert sudo.argv[:7] == ("sudo", "-n", "--", "/usr/sbin/pct", "exec", "201", "--")
     local = build(HopChain(), inv)
     assert local.remote is None
-    assert local.argv == ("/usr/bin/env", "-i", "A=1", "/bin/bash", "--noprofile", "--norc", "-c", "true",
-                          "fleetcuda")
+    assert local.argv == ("/usr/bin/env", "-i", "A=1", "FLEETCUDA_LABEL=fleetcuda", "/bin/bash", "--noprofile",
+                          "--norc", "-c", "true", "fleetcuda")
     assert os.path.basename(local.argv[0]) == "env"

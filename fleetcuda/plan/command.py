@@ -161,6 +161,9 @@ class BuiltCommand:
     output_keep: int = 0
 
 
+LABEL_ENV = "FLEETCUDA_LABEL"
+
+
 def _check_env_name(name: str) -> None:
     if not _ENV_NAME.match(name):
         raise ValueError(f"invalid environment variable name {name!r}")
@@ -172,6 +175,9 @@ def target_argv(inv: Invocation) -> list[str]:
     for name, value in inv.env.items():
         _check_env_name(name)
         argv.append(f"{name}={value}")
+    # The label (bash's $0) in the environment too: every process the command starts keeps it, however it renames
+    # or detaches itself (`exec -a`, setsid), so that stop.sh and lock.sh find the run's processes.
+    argv.append(f"{LABEL_ENV}={inv.label}")
     if inv.timeout:
         argv += [TIMEOUT, "-k", str(KILL_AFTER_S), str(int(inv.timeout))]
     # Not a login shell and no rc files: nothing from /etc/profile.d, by design.

@@ -19,6 +19,13 @@ fleetcuda_lock_work() {
     # The last argument (bash's $0 after `-c SCRIPT`), read by builtins: no process per process.
     while IFS= read -r -d '' a || [ -n "$a" ]; do last=$a; done 2>/dev/null < "$d/cmdline"
     case $last in
+      "fleetcuda:"*"@$run") ;;
+      # A step's child that renamed or detached itself still carries the label it exported.
+      *) while IFS= read -r -d '' a || [ -n "$a" ]; do
+           case $a in FLEETCUDA_LABEL=*) last=${a#FLEETCUDA_LABEL=} ;; esac
+         done 2>/dev/null < "$d/environ" ;;
+    esac
+    case $last in
       "fleetcuda:"*"@$run") n=$((n + 1)); [ -n "$first" ] || first=$last ;;
     esac
   done
