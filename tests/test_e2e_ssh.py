@@ -185,7 +185,7 @@ def test_dry_run_lines_pasted_into_a_shell_do_what_apply_does(lab: LoopbackSshd,
     by_hand, by_apply = env["root"] / "hand", env["root"] / "apply"
     for d in (by_hand, by_apply):
         d.mkdir()
-    common = ["-i", str(env["inv"]), "--limit", "zshhost,bashhost/300", "--var", "greeting=it's $HOME!"]
+    common = ["-i", str(env["inv"]), "--limit", "zshhost,bashhost/300", "--var", "greeting=it's 5 $/h, \"q\" \\ !"]
     fleetcuda("apply", str(MARKER), *common, "--var", f"root={by_apply}", "--plain", state=env["state"],
               check=True)
     dry = fleetcuda("apply", str(MARKER), *common, "--var", f"root={by_hand}", "--dry-run", "--format", "shell",
@@ -202,7 +202,7 @@ def test_dry_run_lines_pasted_into_a_shell_do_what_apply_does(lab: LoopbackSshd,
         if "verify" in phases:
             assert run(phases["verify"]).returncode == 0
     for vmid in (300, 310):
-        assert (by_hand / f"ct{vmid}" / "greeting").read_text() == "it's $HOME!"
+        assert (by_hand / f"ct{vmid}" / "greeting").read_text() == "it's 5 $/h, \"q\" \\ !"
         assert (by_hand / f"ct{vmid}" / "greeting").read_text() == greeting(by_apply, vmid)
         assert applies(by_hand, vmid) == applies(by_apply, vmid) == 1
 

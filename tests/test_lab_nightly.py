@@ -117,7 +117,8 @@ def test_schedule_installs_one_cron_entry_that_runs_unattended(converged: None, 
         assert lines[0] == other.strip()
         ours = [ln for ln in lines if "fleetcuda-verify:nightly" in ln]
         assert len(ours) == 1
-        expected = (f"0 3 * * * umask 077; cd {REPO} && {_fleetcuda_bin()} verify {REPO}/{GDN} -i {REPO}/{INV} "
+        expected = (f"0 3 * * * umask 077; cd {REPO} && HOME={os.environ['HOME']} FLEETCUDA_STATE_DIR={state} "
+                    f"{_fleetcuda_bin()} verify {REPO}/{GDN} -i {REPO}/{INV} "
                     f"--plain --report json={reports}/nightly.json "
                     f"--report prometheus={reports}/fleetcuda_nightly.prom "
                     f"</dev/null >>{reports}/nightly.log 2>&1 # fleetcuda-verify:nightly")
