@@ -53,7 +53,9 @@ def labelled(label: str, how: str = "bash") -> subprocess.Popen[bytes]:
     argv = ["bash", "-c", "sleep 60; exit 0", label]
     if how == "timeout":
         argv = ["timeout", "-k", "5", "60", "bash", "-c", "sleep 60", label]
-    proc = subprocess.Popen(argv, start_new_session=True)
+    # As fleetcuda starts it: the label in its environment too (command.target_argv), which lock.sh reads.
+    proc = subprocess.Popen(argv, start_new_session=True,
+                            env={"PATH": "/usr/bin:/bin", "FLEETCUDA_LABEL": label})
     deadline = time.monotonic() + 10
     while Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[-2:-1] != [label.encode()]:
         assert time.monotonic() < deadline, "the labelled process never started"
@@ -102,7 +104,8 @@ def test_a_stale_lock_is_not_removed_while_its_steps_run(tmp_path: Path, vmid: i
     try:
         rc, frames = lock_call(other.acquire(vmid), tmp_path)
         assert rc == 75
-        assert words(frames)[0] == ["working", "1", f"fleetcuda:build@{run}"]
+        working = words(frames)[0]  # the step's bash and its `sleep`, which carries its label too
+        assert working[0] == "working" and int(working[1]) >= 1 and working[2] == f"fleetcuda:build@{run}"
         assert lock_state(frames)[0] == "busy"
     finally:
         end(step)
@@ -202,3 +205,23 @@ def test_a_worker_that_renamed_and_detached_itself_still_keeps_the_lock_and_is_s
         subprocess.run(["kill", "-9", str(pid)], capture_output=True)
     rc, frames = lock_call(TargetLock("bob run feedf00d").take_over(vmid, lock.owner), tmp_path)
     assert lock_state(frames)[0] == "taken-over"
+
+
+def test_a_wrapper_outside_the_container_or_another_containers_step_keeps_no_lock(tmp_path: Path, vmid: int) -> None:
+    """Where containers share one /proc (local stand-ins): a process whose last argument is the run's label
+    without the label in its environment (a `pct exec`/sudo wrapper), or a step of the same run in another
+    container (FLEETCUDA_TARGET), does not keep this container's lock (a flaky e2e run released no lock)."""
+    run = secrets.token_hex(4)
+    lock = take(vmid, tmp_path, run)
+    wrapper = subprocess.Popen(["bash", "-c", "sleep 60; exit 0", f"fleetcuda:make-dir@{run}"], start_new_session=True,
+                               env={"PATH": "/usr/bin:/bin"})
+    other = subprocess.Popen(["bash", "-c", "sleep 60; exit 0", f"fleetcuda:make-dir@{run}"], start_new_session=True,
+                             env={"PATH": "/usr/bin:/bin", "FLEETCUDA_LABEL": f"fleetcuda:make-dir@{run}",
+                                  "FLEETCUDA_TARGET": str(vmid + 1)})
+    try:
+        time.sleep(0.3)
+        rc, frames = lock_call(lock.release(vmid), tmp_path)
+        assert lock_state(frames)[0] == "released", words(frames)
+    finally:
+        end(wrapper)
+        end(other)

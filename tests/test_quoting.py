@@ -57,7 +57,7 @@ def recorded(path: Path) -> list[str]:
 
 
 def expected_inner(script: str, env: dict[str, str]) -> list[str]:
-    return command.target_argv(Invocation(script, env))
+    return command.target_argv(Invocation(script, env), 200)
 
 
 @pytest.mark.parametrize("shell", list(SHELLS))

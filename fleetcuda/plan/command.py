@@ -162,6 +162,7 @@ class BuiltCommand:
 
 
 LABEL_ENV = "FLEETCUDA_LABEL"
+TARGET_ENV = "FLEETCUDA_TARGET"
 
 
 def _check_env_name(name: str) -> None:
@@ -169,8 +170,8 @@ def _check_env_name(name: str) -> None:
         raise ValueError(f"invalid environment variable name {name!r}")
 
 
-def target_argv(inv: Invocation) -> list[str]:
-    """argv that starts bash inside the target with a cleared, explicit environment."""
+def target_argv(inv: Invocation, vmid: int | None = None) -> list[str]:
+    """argv that starts bash inside the target with a cleared, explicit environment; `vmid`: the container's."""
     argv = [ENV, "-i"]
     for name, value in inv.env.items():
         _check_env_name(name)
@@ -178,6 +179,10 @@ def target_argv(inv: Invocation) -> list[str]:
     # The label (bash's $0) in the environment too: every process the command starts keeps it, however it renames
     # or detaches itself (`exec -a`, setsid), so that stop.sh and lock.sh find the run's processes.
     argv.append(f"{LABEL_ENV}={inv.label}")
+    if vmid is not None:
+        # Which container's: where containers share one /proc (local stand-ins, a host's view), a lock stands
+        # only for the processes of its own container (lock.sh).
+        argv.append(f"{TARGET_ENV}={vmid}")
     if inv.timeout:
         argv += [TIMEOUT, "-k", str(KILL_AFTER_S), str(int(inv.timeout))]
     # Not a login shell and no rc files: nothing from /etc/profile.d, by design.
@@ -257,7 +262,7 @@ def _jump_spec(jump: SshHop, to: SshHop) -> str:
 
 
 def build(chain: HopChain, inv: Invocation) -> BuiltCommand:
-    argv = host_argv(chain, target_argv(inv))
+    argv = host_argv(chain, target_argv(inv, chain.pct.vmid if chain.pct is not None else None))
     if chain.ssh is None:
         return BuiltCommand(tuple(argv), None, join_for_paste(argv), inv.label, inv.stdin)
     remote = join(argv)

@@ -80,6 +80,8 @@ from fleetcuda.plan.command import (
     BASH,
     DEFAULT_PCT,
     ENV,
+    LABEL_ENV,
+    TARGET_ENV,
     TIMEOUT,
     BuiltCommand,
     HopChain,
@@ -229,7 +231,8 @@ def parse_command(cmd: BuiltCommand) -> Parsed:
     env: dict[str, str] = {}
     while argv[i] not in (TIMEOUT, BASH):
         name, _, value = argv[i].partition("=")
-        env[name] = value
+        if name not in (LABEL_ENV, TARGET_ENV):  # fleetcuda's own marks of the run's processes (lock.sh, stop.sh)
+            env[name] = value
         i += 1
     timeout = None
     if argv[i] == TIMEOUT:

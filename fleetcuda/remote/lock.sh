@@ -3,28 +3,30 @@
 # what it did in a `lock` frame (the run's nonce is in $fcn, read from stdin).
 #
 # The lock stands for the work on this target, not for the process that took it: while a process of the
-# owner's run still runs here (a step's bash, whose $0 is `fleetcuda:<step>@<run id>`, the run id being the
-# owner's last word, after ` run `), the lock is neither removed as stale, nor taken over, nor released.
+# owner's run still runs here (a step's bash, whose $0 is `fleetcuda:<step>@<run id>`, and every process it
+# started, which carry it as FLEETCUDA_LABEL, the run id being the owner's last word, after ` run `), the lock
+# is neither removed as stale, nor taken over, nor released.
 
 # fleetcuda_lock_work LOCKDIR: whether processes of the lock's run still run here (status 0), said in a
 # `lock working N LABEL` frame (how many, and the first one's label).
 fleetcuda_lock_work() {
-  local owner run d a last n=0 first=
+  local owner run d a last tgt vmid n=0 first=
+  # The container the lock is for: its processes carry FLEETCUDA_TARGET (command.target_argv), which matters
+  # where containers share one /proc.
+  vmid=${1##*fleetcuda-apply-}; vmid=${vmid%.lock}
   owner=$(head -n 1 "$1/owner" 2>/dev/null)
   case $owner in *" run "*) run=${owner##* run } ;; *) return 1 ;; esac
   # A run id as command.internal_label makes it (hex); anything else names no run's processes.
   case $run in "" | *[!A-Za-z0-9._-]*) return 1 ;; esac
   for d in /proc/[0-9]*; do
-    last=
-    # The last argument (bash's $0 after `-c SCRIPT`), read by builtins: no process per process.
-    while IFS= read -r -d '' a || [ -n "$a" ]; do last=$a; done 2>/dev/null < "$d/cmdline"
-    case $last in
-      "fleetcuda:"*"@$run") ;;
-      # A step's child that renamed or detached itself still carries the label it exported.
-      *) while IFS= read -r -d '' a || [ -n "$a" ]; do
-           case $a in FLEETCUDA_LABEL=*) last=${a#FLEETCUDA_LABEL=} ;; esac
-         done 2>/dev/null < "$d/environ" ;;
-    esac
+    # A step's processes, its children included however they renamed or detached themselves, carry its label in
+    # their environment (command.target_argv), read by builtins: no process per process. (Not the last argument:
+    # where containers share one /proc, a `pct exec`/sudo that started another container's step ends with it.)
+    last= tgt=
+    while IFS= read -r -d '' a || [ -n "$a" ]; do
+      case $a in FLEETCUDA_LABEL=*) last=${a#FLEETCUDA_LABEL=} ;; FLEETCUDA_TARGET=*) tgt=${a#FLEETCUDA_TARGET=} ;; esac
+    done 2>/dev/null < "$d/environ"
+    [ -z "$tgt" ] || [ "$tgt" = "$vmid" ] || continue
     case $last in
       "fleetcuda:"*"@$run") n=$((n + 1)); [ -n "$first" ] || first=$last ;;
     esac
