@@ -23,7 +23,7 @@ from tests.conftest import REPO
 # 1000-character lines: many bytes in few lines, so that the run before the fix ends in seconds too.
 LINE = "yes \"$(printf '%01000d' 0)\""
 MAX_RSS_MB = 90  # fleetcuda alone is about 50 MB; before the fix these runs held 150 MB to 4 GB
-MAX_LOG = 1024 * 1024 + 3 * 64 * 1024  # LOG_HEAD, then the tail (README: what is kept of an output)
+MAX_LOG = 1024 * 1024 + 3 * 64 * 1024  # LOG_HEAD, then the tail (docs/operations.md: what is kept of an output)
 
 _MEASURE = """\
 import resource, subprocess, sys

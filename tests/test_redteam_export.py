@@ -1,5 +1,5 @@
-"""Red team of `fleetcuda export ansible`: each test is a promise of README's "Export to Ansible (AWX)" that an
-attack broke (fixed in fleetcuda/export/, or xfail while it is not), or one that held."""
+"""Red team of `fleetcuda export ansible`: each test is a promise of docs/operations.md's "Export to Ansible
+(AWX)" that an attack broke (fixed in fleetcuda/export/, or xfail while it is not), or one that held."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_redteam_export_secret_value_also_in_a_public_var_is_not_in_clear(tmp_pa
 
 
 def test_redteam_export_credentials_in_a_url_are_not_in_clear(tmp_path: Path) -> None:
-    """README Security: credentials in URLs are secrets (`https://user:***@mirror`); the export wrote them."""
+    """docs/inventory.md Security: credentials in URLs are secrets (`https://user:***@mirror`); export wrote them."""
     r, i = _files(tmp_path, {"name": "r", "vars": {"mirror": "https://pypi.org/simple"},
                              "steps": [{"name": "s", "check": "false", "apply": "pip download -i {{ mirror }} x"}]})
     out = tmp_path / "out"

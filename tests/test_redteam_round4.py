@@ -136,7 +136,7 @@ def test_python_keeps_the_checks_umask(tmp_path: Path) -> None:
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "a batched Python call has the server's resource limits (ulimit), not the check's shell's (README: "
+    "a batched Python call has the server's resource limits (ulimit), not the check's shell's (docs/recipes.md: "
     'what the shared interpreter changes)'
 ))
 def test_python_keeps_the_checks_ulimit(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def _bench(size: str, first: int, hosts: int, per_host: int) -> list[LabHost]:
                     running=[(first + i) * 100 + j for j in range(per_host)]) for i in range(1, hosts + 1)]
 
 
-# `real`: the real toolchain (README, "Real parts and stand-ins"). Its containers are made like Proxmox's
+# `real`: the real toolchain (docs/lab.md, "Real parts and stand-ins"). Its containers are made like Proxmox's
 # Debian 12 template (no compiler, no Python headers) with PyPI's torch 2.11.0 (cu130) and transformers 5.x in
 # /root/venv, and see only real packages: NVIDIA's nvcc 13.0.88 repackaged from its PyPI wheels (in the NVIDIA
 # apt stand-in, a repository of their own, so the default lab's is never rebuilt for them), Debian's own .debs
