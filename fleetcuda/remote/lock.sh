@@ -22,8 +22,10 @@ fleetcuda_lock_work() {
     # A step's processes, its children included however they renamed or detached themselves, carry its label in
     # their environment (command.target_argv), read by builtins: no process per process. (Not the last argument:
     # where containers share one /proc, a `pct exec`/sudo that started another container's step ends with it.)
+    # (Every entry ends in a NUL. No `|| [ -n "$a" ]`: a process that ends while it is read fails each read
+    # with ESRCH, which left that loop spinning for ever.)
     last= tgt=
-    while IFS= read -r -d '' a || [ -n "$a" ]; do
+    while IFS= read -r -d '' a; do
       case $a in FLEETCUDA_LABEL=*) last=${a#FLEETCUDA_LABEL=} ;; FLEETCUDA_TARGET=*) tgt=${a#FLEETCUDA_TARGET=} ;; esac
     done 2>/dev/null < "$d/environ"
     [ -z "$tgt" ] || [ "$tgt" = "$vmid" ] || continue
