@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,3 +73,39 @@ def labelled_pids(label: str, vmid: int | None = None, script_has: str | None = 
                     and (script_has is None or script_has.encode() in args[-3]):
                 pids.append(int(d.name))
     return pids
+
+
+def env_labelled(label: str) -> list[int]:
+    """Processes whose environment carries `label` (with its run id) as FLEETCUDA_LABEL: a step and what it started,
+    however those renamed or detached themselves (command.target_argv)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"FLEETCUDA_LABEL={label}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def end_step(pids: list[int], label: str, timeout: float = 30) -> None:
+    """Kill a step's processes (`pids`, found by labelled_pids(label, ...)) and what they started (a `sleep`, which
+    carries the step's label in its environment and keeps the lock while it runs), as a user stopping it would;
+    return once none is left."""
+    labels = set()
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        labels.update(a.decode() for a in args if a.startswith(label.encode() + b"@"))
+    for pid in [*pids, *(p for run_label in labels for p in env_labelled(run_label))]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while any(env_labelled(run_label) for run_label in labels):
+        assert time.monotonic() < deadline, "the step's processes did not end"
+        time.sleep(0.1)

@@ -4,7 +4,6 @@ until it ends; the next apply refuses meanwhile (never runs the same step alongs
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, labelled_pids, run_fleetcuda
+from tests.conftest import REPO, end_step, labelled_pids, run_fleetcuda
 from tests.test_lab_e2e import INV, ct, lab_is_up  # noqa: F401
-from tests.test_lock_faults import env_labelled, sshd_serving
+from tests.test_lock_faults import sshd_serving
 
 pytestmark = pytest.mark.lab
 
@@ -31,25 +30,8 @@ TARGET = "lab-b/300"  # sudo -n pct exec
 def where(tmp_path: Path) -> Iterator[dict[str, str]]:
     root = f"/tmp/fc-locks-{secrets.token_hex(4)}"  # in the container: nothing of anyone else's
     yield {"root": root, "state": str(tmp_path / "fc")}
-    end_step(labelled_pids("fleetcuda:slow-marker", script_has=f"fc_root={root}\n"))
+    end_step(labelled_pids("fleetcuda:slow-marker", script_has=f"fc_root={root}\n"), "fleetcuda:slow-marker")
     ct(TARGET, f"rm -rf {root}", check=False)
-
-
-def end_step(pids: list[int]) -> None:
-    """Kill a step's processes and what they started (a `sleep`, which carries the step's label in its environment,
-    FLEETCUDA_LABEL, and keeps the lock while it runs)."""
-    labels = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            labels.update(a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                          if a.startswith(b"fleetcuda:slow-marker@"))
-    for pid in [*pids, *(p for label in labels for p in env_labelled(label))]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while any(env_labelled(label) for label in labels):
-        assert time.monotonic() < deadline, "the step's processes did not end"
-        time.sleep(0.2)
 
 
 def apply(where: dict[str, str], seconds: int) -> list[str]:
@@ -93,7 +75,7 @@ def test_a_step_that_goes_on_keeps_the_lock_until_it_ends(where: dict[str, str],
                      rf"{TARGET}: .* pid {first.pid} .*its fleetcuda process has ended, but \d+ process\(es\) of that "
                      r"run still run there \(fleetcuda:slow-marker@\w+\)", second.stdout), second.stdout
     assert "slow-marker: apply" not in second.stdout  # not run alongside the first
-    end_step(step(where, 45))  # the step ends (here: stopped from outside)
+    end_step(step(where, 45), "fleetcuda:slow-marker")  # the step ends (here: stopped from outside)
     deadline = time.monotonic() + 30
     while step(where, 45):
         assert time.monotonic() < deadline

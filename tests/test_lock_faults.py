@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, labelled_pids, run_fleetcuda
+from tests.conftest import REPO, end_step, labelled_pids, run_fleetcuda
 from tests.lab.sshd import LoopbackSshd
 
 SLOW = str(REPO / "tests/data/slow.yaml")
@@ -83,19 +83,6 @@ def step_pids(vmid: int, seconds: int) -> list[int]:
             if in_container(pid)]
 
 
-def env_labelled(label: str) -> list[int]:
-    """Processes whose environment carries `label` as FLEETCUDA_LABEL (a step's children)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if f"FLEETCUDA_LABEL={label}".encode() in (d / "environ").read_bytes().split(b"\0"):
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
-
-
 def sshd_serving(pid: int) -> int:
     """The sshd process of the session a process was started by (its nearest `sshd:` ancestor)."""
     while pid > 1:
@@ -126,12 +113,7 @@ def test_a_killed_runs_step_keeps_its_lock_until_it_ends(env: dict[str, object])
     assert step_pids(vmid, 40)  # nor was the first one touched
     # It ends (here: killed, as a user would, or it finishes): its bash, and what it started (the `sleep`, which
     # carries the step's label in its environment, FLEETCUDA_LABEL, and keeps the lock while it runs).
-    run = next(a for a in Path(f"/proc/{step_pids(vmid, 40)[0]}/cmdline").read_bytes().split(b"\0")
-               if a.startswith(b"fleetcuda:slow-marker@")).decode()
-    for pid in [*step_pids(vmid, 40), *env_labelled(run)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    wait_for("the step's end", lambda: not step_pids(vmid, 40) and not env_labelled(run))
+    end_step(step_pids(vmid, 40), "fleetcuda:slow-marker")
     third = run_fleetcuda("apply", SLOW, *common(env, "bashhost"), "--var", "seconds=0", state=env["state"])
     assert third.returncode == 0, third.stdout
     assert f"bashhost/{vmid} lock: take-over" in third.stdout and f"bashhost/{vmid} done: changed" in third.stdout

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, labelled_pids, run_fleetcuda
+from tests.conftest import REPO, end_step, labelled_pids, run_fleetcuda
 from tests.lab.sshd import LoopbackSshd
 from tests.test_e2e_ssh import write_inventory
-from tests.test_lock_faults import env_labelled
 
 SLOW = str(REPO / "tests/data/slow.yaml")
 SECRET = str(REPO / "tests/data/secret.yaml")
@@ -185,13 +184,6 @@ def test_dropped_connection_during_a_read_only_check_is_retried(lab: LoopbackSsh
     assert "the command is read-only, so it is sent once more" in log.read_text()
 
 
-def _cmdline(pid: int) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
 def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
     common = ["-i", str(env["inv"]), "--var", f"root={env['root']}", "--plain", "--limit", "bashhost/301"]
     run = start("apply", SLOW, *common, "--var", "seconds=30", state=env["state"])
@@ -205,16 +197,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(env: dict[str, Path]) -> None:
         assert Path("/run/lock/fleetcuda-apply-301/owner").read_text().startswith("root@")
         # Its step goes on in the container and keeps the lock (test_lock_faults.py), until it ends: here, now.
         # (And what it started: its `sleep` carries the step's label in its environment, and keeps the lock.)
-        pids = labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=30\n")
-        labels = {a.decode() for pid in pids for a in _cmdline(pid) if a.startswith(b"fleetcuda:slow-marker@")}
-        for pid in [*pids, *(p for label in labels for p in env_labelled(label))]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        deadline = time.monotonic() + 20
-        while labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=30\n") or any(
-                env_labelled(label) for label in labels):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        end_step(labelled_pids("fleetcuda:slow-marker", script_has="fc_seconds=30\n"), "fleetcuda:slow-marker")
         out = run_fleetcuda("apply", SLOW, *common, "--var", "seconds=0", state=env["state"], check=True)
         assert "bashhost/301 lock: take-over" in out.stdout
         assert "bashhost/301 done: changed" in out.stdout
